@@ -1,0 +1,67 @@
+"""Shared test helpers: the repository root on sys.path, and small envs registered for the tests."""
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+class CountEnv(gym.Env):
+    """Observation = [steps taken so far]; reward 1 per step; never terminates (a TimeLimit truncates it)."""
+
+    observation_space = gym.spaces.Box(0, 1000, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.t], np.float32), 1.0, False, False, {}
+
+
+class GuessDimsEnv(gym.Env):
+    """A one-step MultiDiscrete game: the observation shows, one-hot, the right choice of each of two
+    action dimensions (3 and 4 choices); the reward is the number of dimensions guessed right (optimum 2)."""
+
+    observation_space = gym.spaces.Box(0, 1, (7,), np.float32)
+    action_space = gym.spaces.MultiDiscrete([3, 4])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.target = np.array([self.np_random.integers(3), self.np_random.integers(4)])
+        obs = np.zeros(7, np.float32)
+        obs[self.target[0]] = 1
+        obs[3 + self.target[1]] = 1
+        return obs, {}
+
+    def step(self, action):
+        reward = float(np.sum(np.asarray(action) == self.target))
+        return np.zeros(7, np.float32), reward, True, False, {}
+
+
+class CopyBitsEnv(gym.Env):
+    """A one-step MultiBinary game: copy the 4 bits of the observation; reward = share copied right
+    (optimum 1)."""
+
+    observation_space = gym.spaces.Box(0, 1, (4,), np.float32)
+    action_space = gym.spaces.MultiBinary(4)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.bits = self.np_random.integers(0, 2, 4).astype(np.int8)
+        return self.bits.astype(np.float32), {}
+
+    def step(self, action):
+        reward = float(np.mean(np.asarray(action) == self.bits))
+        return np.zeros(4, np.float32), reward, True, False, {}
+
+
+gym.register("TestCount-v0", entry_point=CountEnv, max_episode_steps=3)
+gym.register("TestGuessDims-v0", entry_point=GuessDimsEnv)
+gym.register("TestCopyBits-v0", entry_point=CopyBitsEnv)

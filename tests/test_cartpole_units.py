@@ -1,0 +1,211 @@
+"""ppo_cartpole.py, piece by piece, against values worked out by hand or by the reference library."""
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import ppo_cartpole as pc
+
+
+def gae(rewards, values, dones, last_value, gamma=0.9, lam=0.8):
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.float32)
+    return pc.compute_gae(as_tensor(rewards), as_tensor(values), as_tensor(dones), as_tensor(last_value), gamma, lam)
+
+
+def test_gae_without_episode_end_matches_hand_computation():
+    # deltas: 1 + .9*.4 - .5 = .86, 1 + .9*.3 - .4 = .87, 1 + .9*.2 - .3 = .88; gamma*lambda = .72
+    advantages = gae([[1], [1], [1]], [[.5], [.4], [.3]], [[0], [0], [0]], [.2])
+    expected = [[0.86 + 0.72 * (0.87 + 0.72 * 0.88)], [0.87 + 0.72 * 0.88], [0.88]]
+    assert torch.allclose(advantages, torch.tensor(expected), atol=1e-6)
+
+
+def test_gae_termination_cuts_the_sum_and_ignores_the_next_value():
+    advantages = gae([[1], [1], [1]], [[.5], [.4], [.3]], [[0], [1], [0]], [.2])
+    # step 1 ends the episode: its advantage is 1 - 0.4, and step 0 sees only that
+    assert torch.allclose(advantages, torch.tensor([[0.86 + 0.72 * 0.6], [0.6], [0.88]]), atol=1e-6)
+
+
+def test_gae_truncation_uses_the_bootstrapped_reward():
+    # truncated at step 1 with V(final obs) = 0.7: the trainer put 1 + 0.9 * 0.7 = 1.63 in rewards[1]
+    advantages = gae([[1], [1.63], [1]], [[.5], [.4], [.3]], [[0], [1], [0]], [.2])
+    assert torch.allclose(advantages, torch.tensor([[0.86 + 0.72 * 1.23], [1.23], [0.88]]), atol=1e-6)
+
+
+def test_gae_episode_end_at_the_last_step_ignores_last_value():
+    advantages = gae([[1, 1], [1, 1], [1, 1]], [[.5, .5], [.4, .4], [.3, .3]], [[0, 0], [0, 0], [0, 1]], [.2, 100.0])
+    assert torch.allclose(advantages[:, 1], torch.tensor([0.86 + 0.72 * (0.87 + 0.72 * 0.7), 0.87 + 0.72 * 0.7, 0.7]))
+    assert torch.allclose(advantages[:, 0], torch.tensor([0.86 + 0.72 * (0.87 + 0.72 * 0.88), 0.87 + 0.72 * 0.88, 0.88]))
+
+
+def ppo_loss(ratios, raw_advantages=(1.0, -1.0), **changes):
+    config = pc.Config(**changes)
+    new_log_prob = torch.log(torch.tensor(ratios))
+    old_log_prob = torch.zeros(2)
+    new_value, old_value, returns = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 2.5]), torch.tensor([2.0, 2.0])
+    entropy = torch.tensor([0.6, 0.8])
+    return pc.Trainer.loss(new_log_prob, old_log_prob, torch.tensor(raw_advantages), new_value, old_value,
+                           returns, entropy, config)
+
+
+# Advantages (1, -1) normalise to (+1/sqrt(2), -1/sqrt(2)) = (+-0.70711): mean 0, unbiased std sqrt(2).
+A = 1 / math.sqrt(2)
+
+
+def test_policy_loss_clip_inactive():
+    _, stats = ppo_loss([1.1, 0.9])
+    assert stats["policy_loss"].item() == pytest.approx((-A * 1.1 + A * 0.9) / 2, abs=1e-5)
+    assert stats["clip_fraction"].item() == 0.0
+
+
+def test_policy_loss_clip_active_limits_the_gain_both_ways():
+    # ratio 1.5 with A > 0 is clipped to 1.2; ratio 0.5 with A < 0 is clipped to 0.8
+    _, stats = ppo_loss([1.5, 0.5])
+    assert stats["policy_loss"].item() == pytest.approx((-A * 1.2 + A * 0.8) / 2, abs=1e-5)
+    assert stats["clip_fraction"].item() == 1.0
+    expected_kl = ((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))) / 2
+    assert stats["approx_kl"].item() == pytest.approx(expected_kl, abs=1e-6)
+
+
+def test_policy_loss_clip_never_makes_the_objective_optimistic():
+    # ratio 1.5 with A < 0: the unclipped term is the worse one and is kept
+    _, stats = ppo_loss([1.5, 1.5])
+    assert stats["policy_loss"].item() == pytest.approx((-A * 1.2 + A * 1.5) / 2, abs=1e-5)
+
+
+def test_value_loss_unclipped_and_clipped():
+    _, stats = ppo_loss([1.0, 1.0], clip_value_loss=False)
+    assert stats["value_loss"].item() == pytest.approx(0.5 * (1.0 + 0.0) / 2)
+    # clipped values: 0.5 + 0.2 = 0.7 and 2.5 - 0.2 = 2.3; max of squared errors: 1.69 and 0.09
+    _, stats = ppo_loss([1.0, 1.0], clip_value_loss=True)
+    assert stats["value_loss"].item() == pytest.approx(0.5 * (1.69 + 0.09) / 2, abs=1e-6)
+
+
+def test_total_loss_combines_the_pieces():
+    loss, stats = ppo_loss([1.1, 0.9], ent_coef=0.01, vf_coef=0.5)
+    expected = stats["policy_loss"] - 0.01 * 0.7 + 0.5 * stats["value_loss"]
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("dims,binary", [([5], False), ([3, 4, 2], False), ([2, 2, 2], True)])
+def test_action_heads_match_torch_distributions(dims, binary):
+    torch.manual_seed(0)
+    model = pc.Model(6, dims, binary)
+    # make the policy far from uniform so that the check means something
+    torch.nn.init.normal_(model.actor[-1].weight, std=1.0)
+    obs = torch.randn(32, 6)
+    actions, log_prob, value = model.act(obs)
+    assert actions.shape == (32, len(dims)) and log_prob.shape == (32,) and value.shape == (32,)
+    for d, n in enumerate(dims):
+        assert 0 <= actions[:, d].min() and actions[:, d].max() < n
+    out = model.actor(obs)
+    if binary:
+        reference = [torch.distributions.Bernoulli(logits=out[:, d]) for d in range(len(dims))]
+    else:
+        parts = out.view(32, len(dims), max(dims))
+        reference = [torch.distributions.Categorical(logits=parts[:, d, :n]) for d, n in enumerate(dims)]
+    expected_log_prob = sum(dist.log_prob(actions[:, d].float() if binary else actions[:, d])
+                            for d, dist in enumerate(reference))
+    expected_entropy = sum(dist.entropy() for dist in reference)
+    new_log_prob, entropy, _ = model.evaluate(obs, actions)
+    assert torch.allclose(log_prob, expected_log_prob, atol=1e-5)
+    assert torch.allclose(new_log_prob, expected_log_prob, atol=1e-5)
+    assert torch.allclose(entropy, expected_entropy, atol=1e-5)
+
+
+def test_sampling_follows_the_policy_probabilities():
+    torch.manual_seed(0)
+    model = pc.Model(3, [3], False)
+    with torch.no_grad():
+        model.actor[-1].weight.zero_()
+        model.actor[-1].bias.copy_(torch.log(torch.tensor([0.2, 0.3, 0.5])))
+    actions, _, _ = model.act(torch.zeros(20_000, 3))
+    frequencies = torch.bincount(actions[:, 0], minlength=3).float() / 20_000
+    assert torch.allclose(frequencies, torch.tensor([0.2, 0.3, 0.5]), atol=0.015)
+    greedy, _, _ = model.act(torch.zeros(4, 3), greedy=True)
+    assert (greedy == 2).all()
+
+
+def test_orthogonal_init_gains():
+    model = pc.Model(4, [2], False)
+    for linear, gain in [(model.actor[0], math.sqrt(2)), (model.actor[2], math.sqrt(2)), (model.actor[4], 0.01),
+                         (model.critic[0], math.sqrt(2)), (model.critic[4], 1.0)]:
+        w = linear.weight.detach()
+        rows, cols = w.shape
+        gram = w @ w.T if rows <= cols else w.T @ w
+        assert torch.allclose(gram, gain ** 2 * torch.eye(min(rows, cols)), atol=1e-5)
+        assert (linear.bias == 0).all()
+
+
+def test_adam_matches_torch_optim_adam():
+    torch.manual_seed(0)
+    ours = [torch.randn(5, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    adam = pc.Adam(ours, lr=1e-2, eps=1e-5)
+    reference = torch.optim.Adam(theirs, lr=1e-2, eps=1e-5)
+    for step in range(20):
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        adam.lr = reference.param_groups[0]["lr"] = 1e-2 * (1 - step / 20)  # annealed as in training
+        adam.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_game_reports_episode_and_final_obs_and_resets_itself():
+    game = pc.Game("TestCount-v0", seed=0)  # truncated after 3 steps
+    assert game.reset().tolist() == [0.0]
+    for t in (1, 2):
+        obs, reward, terminated, truncated, info = game.step(np.array([0]))
+        assert obs.tolist() == [t] and reward == 1.0 and not terminated and not truncated and info == {}
+    obs, reward, terminated, truncated, info = game.step(np.array([1]))
+    assert not terminated and truncated
+    assert info["final_obs"].tolist() == [3.0] and obs.tolist() == [0.0]
+    assert info["episode"] == {"return": 3.0, "length": 3}
+
+
+def test_game_converts_actions_to_the_env_form():
+    assert pc.Game("TestGuessDims-v0", 0).env_action(np.array([2, 3])).tolist() == [2, 3]
+    assert pc.Game("TestCopyBits-v0", 0).env_action(np.array([1, 0, 1, 1])).tolist() == [1, 0, 1, 1]
+    assert pc.Game("CartPole-v1", 0).env_action(np.array([1])) == 1
+
+
+def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path):
+    # TestCount-v0 is truncated after 3 steps, when its observation is [3]
+    main = pc.Main(pc.Config(env="TestCount-v0", num_envs=2, num_steps=7, total_timesteps=14,
+                             num_minibatches=1, run_dir=str(tmp_path)))
+    main.setup(main.config, None)
+    main.writer = pc.make_writer(main.run_dir, main.config)
+    main.recent_returns, main.recent_lengths, main.episodes = [], [], 0
+    main.solved_step = None
+    main.start_workers()
+    main.allocate_rollout()
+    main.collect_rollout(main.obs_tensor.clone())
+    main.stop_workers()
+    main.writer.close()
+    with torch.no_grad():
+        final_value = main.model.value(torch.tensor([[3.0]])).item()
+    dones = main.rollout_dones[:, 0].tolist()
+    assert dones == [0, 0, 1, 0, 0, 1, 0]
+    expected = [1, 1, 1 + 0.99 * final_value, 1, 1, 1 + 0.99 * final_value, 1]
+    assert main.rollout_rewards[:, 0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert main.episodes == 4
+
+
+def test_inspect_env_describes_the_spaces():
+    assert pc.inspect_env("CartPole-v1") == (4, [2], False)
+    assert pc.inspect_env("TestGuessDims-v0") == (7, [3, 4], False)
+    assert pc.inspect_env("TestCopyBits-v0") == (4, [2, 2, 2, 2], True)
+    with pytest.raises(pc.UsageError, match="Box"):
+        pc.inspect_env("Pendulum-v1")
+    with pytest.raises(pc.UsageError, match="Discrete observation"):
+        pc.inspect_env("FrozenLake-v1")
+
+
+def test_command_line_flags_come_from_config():
+    config = pc.parse_config(["--env", "Acrobot-v1", "--num-envs", "8", "--no-anneal-lr", "--target-kl", "0.02"])
+    assert (config.env, config.num_envs, config.anneal_lr, config.target_kl) == ("Acrobot-v1", 8, False, 0.02)
+    assert pc.parse_config([]) == pc.Config()
