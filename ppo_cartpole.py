@@ -54,7 +54,7 @@ class Config:
     # The game and the run.
     env: str = option("CartPole-v1", "gymnasium id: Box observation; Discrete, MultiDiscrete or MultiBinary action")
     seed: int = option(1, "seeds python, numpy, torch and every environment (env i gets seed + i)")
-    total_timesteps: int = option(500_000, "environment steps over all envs")
+    total_timesteps: int = option(200_000, "environment steps over all envs")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
     run_dir: typing.Optional[str] = option(None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
     target_return: typing.Optional[float] = option(None, "stop once the mean return of the last 100 episodes reaches this")
@@ -72,12 +72,12 @@ class Config:
     num_steps: int = option(64, "steps per game in each rollout; a rollout is num_envs * num_steps steps")
 
     # The PPO update.
-    learning_rate: float = option(2.5e-3, "Adam step size at the start, annealed linearly to 0")
+    learning_rate: float = option(4e-3, "Adam step size at the start, annealed linearly to 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.99, "discount factor")
+    gamma: float = option(0.98, "discount factor: 0.98 looks ~50 steps ahead, enough to keep a pole up")
     gae_lambda: float = option(0.95, "GAE lambda: bias (0) vs variance (1) of the advantage")
-    num_minibatches: int = option(4, "minibatches each rollout is split into")
-    update_epochs: int = option(4, "passes over each rollout")
+    num_minibatches: int = option(2, "minibatches each rollout is split into")
+    update_epochs: int = option(8, "passes over each rollout")
     clip_coef: float = option(0.2, "PPO's clip range for the probability ratio")
     clip_value_loss: bool = option(False, "clip the value update too (off: it slows CartPole, see Trainer)")
     ent_coef: float = option(0.0, "weight of the entropy bonus")
@@ -672,7 +672,7 @@ class Main:
         self.rollout_rewards = torch.zeros(shape, device=device)
         self.rollout_dones = torch.zeros(shape, device=device)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster still
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
         """Play num_steps steps in every game with the current policy, filling the rollout buffer.
         Returns the observation after the last step."""
@@ -927,6 +927,9 @@ def check_settings(config: Config):
     if batch_size % config.num_minibatches:
         raise UsageError(f"the batch of {batch_size} steps (--num-envs x --num-steps) does not split into "
                          f"--num-minibatches {config.num_minibatches}")
+    if batch_size // config.num_minibatches < 2:
+        raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot be normalised: "
+                         f"raise --num-envs or --num-steps, or lower --num-minibatches")
 
 
 def inspect_env(env_id: str):
