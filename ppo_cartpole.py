@@ -16,6 +16,7 @@ In a notebook:  from ppo_cartpole import Config, Main; Main(Config(total_timeste
 """
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import errno
@@ -634,7 +635,7 @@ class Main:
                 next_obs = self.collect_rollout(next_obs)
                 if self.solved_step is not None:
                     break  # solved in the middle of a rollout: stop at once, the policy is good enough
-                learner_before = self.learner_state(copy=True)
+                learner_before = copy.deepcopy(self.learner_state())  # to fall back on if the update fails
                 stats = self.update(next_obs)
                 if not all(math.isfinite(v) for v in stats.values()):
                     self.restore(learner_before)
@@ -788,7 +789,7 @@ class Main:
               f"length {mean(self.recent_lengths)} | updates {self.updates}"
               + (" | done" if final else ""), flush=True)
 
-    def learner_state(self, copy: bool = False) -> dict:
+    def learner_state(self) -> dict:
         """Everything needed to continue learning: only tensors, numbers, strings, lists and dicts, so
         that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code)."""
         state = {
@@ -799,11 +800,6 @@ class Main:
             "global_step": self.global_step, "updates": self.updates,
             "rng": {"torch": torch.get_rng_state()},
         }
-        if copy:
-            state["model"] = {k: v.clone() for k, v in state["model"].items()}
-            optimizer = state["optimizer"]
-            optimizer["exp_avg"] = [t.clone() for t in optimizer["exp_avg"]]
-            optimizer["exp_avg_sq"] = [t.clone() for t in optimizer["exp_avg_sq"]]
         return state
 
     def restore(self, state: dict):
