@@ -190,7 +190,8 @@ def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path
         final_value = main.model.value(torch.tensor([[3.0]])).item()
     dones = main.rollout_dones[:, 0].tolist()
     assert dones == [0, 0, 1, 0, 0, 1, 0]
-    expected = [1, 1, 1 + 0.99 * final_value, 1, 1, 1 + 0.99 * final_value, 1]
+    gamma = main.config.gamma
+    expected = [1, 1, 1 + gamma * final_value, 1, 1, 1 + gamma * final_value, 1]
     assert main.rollout_rewards[:, 0].tolist() == pytest.approx(expected, abs=1e-6)
     assert main.episodes == 4
 
