@@ -1,0 +1,111 @@
+"""ppo_atari.py as a user runs it, and a learning check cheap enough for CI."""
+import json
+import subprocess
+import sys
+
+import cv2
+import pytest
+import torch
+
+import ppo_atari as pa
+from conftest import ROOT
+
+
+def run_script(*args, timeout=240):
+    return subprocess.run([sys.executable, "ppo_atari.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def patch_task(batch: int, generator: torch.Generator):
+    """A synthetic pixel game: black 4x84x84 frames with one bright 20x20 patch in one of the four
+    quadrants, the same in all 4 stacked frames. The right action is the patch's quadrant; reward 1 if
+    right, else 0. Returns (uint8 observations, right actions)."""
+    quadrant = torch.randint(0, 4, (batch,), generator=generator)
+    obs = torch.zeros(batch, 4, 84, 84, dtype=torch.uint8)
+    for i, q in enumerate(quadrant.tolist()):
+        top, left = 10 + 42 * (q // 2), 10 + 42 * (q % 2)
+        obs[i, :, top:top + 20, left:left + 20] = 255
+    return obs, quadrant
+
+
+def test_model_and_trainer_learn_a_pixel_task():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    model = pa.Model(num_actions=4)
+    trainer = pa.Trainer(model, pa.Config(learning_rate=1e-3))
+    for _ in range(60):
+        obs, right = patch_task(128, generator)
+        with torch.no_grad():
+            actions, log_prob, value = model.act(obs)
+        reward = (actions == right).float()
+        # one-step episodes: the return is the reward, the advantage is reward - value (GAE with done=1)
+        for _ in range(2):
+            for half in (slice(0, 64), slice(64, 128)):
+                trainer.update(obs[half], actions[half], log_prob[half], (reward - value)[half], reward[half],
+                               value[half])
+    obs, right = patch_task(256, generator)
+    with torch.no_grad():
+        greedy, _, value = model.act(obs, greedy=True)
+    accuracy = (greedy == right).float().mean().item()
+    assert accuracy >= 0.95  # chance is 0.25
+    assert value.mean().item() == pytest.approx(1.0, abs=0.25)  # it also learned what a state is worth
+
+
+def test_command_line_run_resume_eval_and_video(tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["--num-envs", 2, "--num-steps", 64, "--num-minibatches", 2, "--run-dir", run_dir]
+    result = run_script("--total-timesteps", 256, "--num-workers", 2, *common)
+    assert result.returncode == 0, result.stderr
+    assert "step 256/256 (100.0%)" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["script"] == "ppo_atari" and summary["steps"] == 256 and summary["interrupted"] is False
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["global_step"] == 256 and checkpoint["updates"] == 2 and checkpoint["num_actions"] == 4
+
+    result = run_script("--resume", run_dir / "checkpoint.pt", "--total-timesteps", 512, "--num-workers", 0)
+    assert result.returncode == 0, result.stderr
+    resumed = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert resumed["global_step"] == 512 and resumed["updates"] == 4
+
+    result = run_script("--eval", run_dir / "checkpoint.pt", "--eval-episodes", 1, "--video")
+    assert result.returncode == 0, result.stderr
+    assert "over 1 episodes" in result.stdout
+    video = cv2.VideoCapture(str(run_dir / "eval.mp4"))
+    ok, frame = video.read()
+    assert ok and frame.shape == (210, 160, 3)
+    assert frame.std() > 0  # a picture, not a blank frame
+
+
+def test_same_seed_same_weights(tmp_path):
+    weights = []
+    for name in ("a", "b"):
+        config = pa.Config(seed=5, total_timesteps=128, num_envs=2, num_steps=64, num_minibatches=2,
+                           num_workers=0, run_dir=str(tmp_path / name))
+        pa.Main(config).run()
+        weights.append(torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"])
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--env", "BreakoutNoFrameskip-v9"], "unknown env 'BreakoutNoFrameskip-v9'; did you mean BreakoutNoFrameskip-v4"),
+    (["--env", "CartPole-v1"], "CartPole-v1 is not an Atari game: use ppo_cartpole.py"),
+    (["--num-envs", "0"], "--num-envs must be positive"),
+    (["--num-workers", "3"], "--num-workers 3 must divide --num-envs 8"),
+    (["--eval", "no/such.pt"], "checkpoint no/such.pt not found"),
+])
+def test_bad_input_exits_2_with_one_line(args, message, tmp_path):
+    result = run_script(*args, "--run-dir", tmp_path / "run")
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_cartpole_checkpoint_is_refused(tmp_path):
+    import ppo_cartpole as pc
+
+    pc.Main(pc.Config(total_timesteps=1024, run_dir=str(tmp_path / "cartpole"))).run()
+    result = run_script("--eval", tmp_path / "cartpole" / "checkpoint.pt")
+    assert result.returncode == 2
+    assert "was written by ppo_cartpole.py, not ppo_atari.py" in result.stderr
