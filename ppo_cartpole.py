@@ -39,8 +39,11 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
+from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
+from gymnasium.vector import AutoresetMode
 
 SCRIPT = "ppo_cartpole"
+CARTPOLE_VECTOR_ENTRY_POINT = "gymnasium.envs.classic_control.cartpole:CartPoleVectorEnv"
 
 
 def option(default, help):
@@ -68,12 +71,12 @@ class Config:
     compile: bool = option(False, "torch.compile the model; off: compiling takes longer than solving CartPole")
 
     # Collecting experience.
-    num_envs: int = option(16, "games played side by side")
+    num_envs: int = option(64, "games played side by side")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)")
-    num_steps: int = option(64, "steps per game in each rollout; a rollout is num_envs * num_steps steps")
+    num_steps: int = option(32, "steps per game in each rollout; a rollout is num_envs * num_steps steps")
 
     # The PPO update.
-    learning_rate: float = option(4e-3, "Adam step size at the start, annealed linearly to 0")
+    learning_rate: float = option(6e-3, "Adam step size at the start, annealed linearly to 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
     gamma: float = option(0.98, "discount factor: 0.98 looks ~50 steps ahead, enough to keep a pole up")
     gae_lambda: float = option(0.95, "GAE lambda: bias (0) vs variance (1) of the advantage")
@@ -92,74 +95,118 @@ class UsageError(ValueError):
     """Bad input from the user: the command line prints its message on one line and exits with status 2."""
 
 
-class Game:
-    """One gymnasium environment, as the trainer sees it.
+class SameStepCartPole(CartPoleVectorEnv):
+    """gymnasium's vectorised CartPole, which steps all its poles in a few numpy operations (64 of them
+    in about the time a Python loop takes for 10 single envs), made to restart an ended episode in the
+    same step.
 
-    - Observations come out flat, as float32 vectors, whatever the Box's shape.
-    - When an episode ends the Game resets itself: `step` then returns the first observation of the next
-      episode and puts the last one of the ended episode in `info["final_obs"]`, so the trainer can still
-      bootstrap from it when the episode was only truncated (cut by a time limit, not ended by the game).
-    - It counts the return and length of each episode and reports them in `info["episode"]` when one ends.
+    The library's version restarts an ended pole at the *next* call of `step`, ignoring that call's
+    action ("next-step" autoreset). Here the restart happens at once, with the very same random draw the
+    library would make one step later, so that `step` returns the first observation of the new episode
+    and the last one of the old in `info["final_obs"]`, like gymnasium's SyncVectorEnv in same-step mode.
+    tests/ check this against the library's own CartPoleVectorEnv, step by step.
     """
 
-    def __init__(self, env_id: str, seed: int, render_mode: typing.Optional[str] = None):
-        # render_mode is passed only when asked for: envs without rendering need not accept it.
-        self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
+    metadata = {**CartPoleVectorEnv.metadata, "autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        ended = self.prev_done  # the poles the library would restart at its next step
+        if ended.any():
+            info = {"final_obs": obs.copy(), "_final_obs": ended.copy()}
+            self.state[:, ended] = self.np_random.uniform(low=self.low, high=self.high, size=(4, ended.sum()))
+            self.steps[ended] = 0
+            self.prev_done = np.zeros_like(ended)
+            obs = self.state.T.astype(np.float32)
+        return obs, reward, terminated, truncated, info
+
+
+class Game:
+    """A batch of `num_envs` copies of one gymnasium environment, stepped together (the batch form of
+    GUIDE.md section 4: every value is an array over the batch).
+
+    - Observations come out flat, as float32 rows, whatever the Box's shape.
+    - When an episode ends, its env restarts in the same step: `step` returns the first observation of
+      the next episode, and the last one of the ended episode in `info["final_obs"]` (`info["_final_obs"]`
+      marks which rows hold one), so the trainer can still bootstrap from it when the episode was only
+      truncated (cut by a time limit, not ended by the game).
+    - It counts the return and length of each episode and reports them when one ends, in
+      `info["episode"]` (marked by `info["_episode"]`).
+
+    CartPole runs on `SameStepCartPole` above; every other env on gymnasium's SyncVectorEnv, a loop over
+    single envs, in its same-step autoreset mode. The batch shares one random generator in the first
+    case and seeds env i with seed + i in the second.
+    """
+
+    def __init__(self, env_id: str, seed: int, num_envs: int = 1, render_mode: typing.Optional[str] = None):
+        spec = gym.spec(env_id)
+        if spec.vector_entry_point == CARTPOLE_VECTOR_ENTRY_POINT:
+            self.envs = SameStepCartPole(num_envs, max_episode_steps=spec.max_episode_steps,
+                                         render_mode=render_mode, **spec.kwargs)
+        else:
+            # render_mode is passed only when asked for: envs without rendering need not accept it.
+            self.envs = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
+                                     vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
+                                     **({"render_mode": render_mode} if render_mode else {}))
         self.seed = seed
-        self.action_space = self.env.action_space
-        self.episode_return = 0.0
-        self.episode_length = 0
+        self.num_envs = num_envs
+        self.action_space = self.envs.single_action_space
+        self.episode_returns = np.zeros(num_envs)
+        self.episode_lengths = np.zeros(num_envs, dtype=np.int64)
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later resets continue the env's own random stream, so each
+        # Seed only the first reset: later restarts continue the envs' own random streams, so each
         # episode differs and the whole run is still fixed by the seed.
-        obs, _ = self.env.reset(seed=self.seed)
+        obs, _ = self.envs.reset(seed=self.seed)
         self.seed = None
-        self.episode_return, self.episode_length = 0.0, 0
-        return np.asarray(obs, dtype=np.float32).reshape(-1)
+        self.episode_returns[:] = 0
+        self.episode_lengths[:] = 0
+        return np.asarray(obs, dtype=np.float32).reshape(self.num_envs, -1)
 
-    def step(self, action: np.ndarray):
-        obs, reward, terminated, truncated, _ = self.env.step(self.env_action(action))
-        obs = np.asarray(obs, dtype=np.float32).reshape(-1)
-        self.episode_return += float(reward)
-        self.episode_length += 1
+    def step(self, actions: np.ndarray):
+        obs, rewards, terminated, truncated, env_info = self.envs.step(self.env_actions(actions))
+        self.episode_returns += rewards
+        self.episode_lengths += 1
         info = {}
-        if terminated or truncated:
-            info["final_obs"] = obs
-            info["episode"] = {"return": self.episode_return, "length": self.episode_length}
-            obs = self.reset()
-        return obs, float(reward), bool(terminated), bool(truncated), info
+        ended = terminated | truncated
+        if ended.any():
+            info["_final_obs"] = info["_episode"] = ended
+            info["final_obs"] = np.zeros_like(obs, dtype=np.float32).reshape(self.num_envs, -1)
+            for i in np.flatnonzero(ended):
+                info["final_obs"][i] = np.asarray(env_info["final_obs"][i], dtype=np.float32).reshape(-1)
+            info["episode"] = {"return": self.episode_returns.copy(), "length": self.episode_lengths.copy()}
+            self.episode_returns[ended] = 0
+            self.episode_lengths[ended] = 0
+        obs = np.asarray(obs, dtype=np.float32).reshape(self.num_envs, -1)
+        return obs, rewards.astype(np.float32), terminated, truncated, info
 
-    def env_action(self, action: np.ndarray):
-        """The model picks one index per action dimension, counting from 0; the env wants its own form."""
+    def env_actions(self, actions: np.ndarray):
+        """The model picks one index per action dimension, counting from 0: [num_envs, dims]. The envs
+        want their own form."""
         space = self.action_space
         if isinstance(space, gym.spaces.Discrete):
-            return action[0] + space.start  # a numpy integer: gymnasium checks it faster than an int
+            return actions[:, 0] + space.start
         if isinstance(space, gym.spaces.MultiDiscrete):
-            return (action.reshape(space.shape) + space.start).astype(space.dtype)
-        return action.reshape(space.shape).astype(space.dtype)  # MultiBinary
+            return (actions.reshape(-1, *space.shape) + space.start).astype(space.dtype)
+        return actions.reshape(-1, *space.shape).astype(space.dtype)  # MultiBinary
 
     def render(self) -> np.ndarray:
-        return self.env.render()
+        """The picture of the first env of the batch."""
+        return self.envs.render()[0]
 
     def close(self):
-        self.env.close()
+        self.envs.close()
 
 
-def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray):
-    """Step each Game with its action, write the next observations into `obs_out` (one row per game),
-    and return what the trainer needs besides: rewards, terminations, truncations, the final
-    observations of the episodes that ended, and the statistics of the games that ended."""
-    rewards = np.empty(len(games), dtype=np.float32)
-    terminated = np.empty(len(games), dtype=bool)
-    truncated = np.empty(len(games), dtype=bool)
+def step_game(game: Game, actions: np.ndarray, obs_out: np.ndarray):
+    """Step the Game, write the next observations into `obs_out`, and return what the trainer needs
+    besides: rewards, terminations, truncations, and two dicts keyed by env index: the final
+    observations of the episodes that ended, and their statistics."""
+    obs_out[:], rewards, terminated, truncated, info = game.step(actions)
     final_obs, episodes = {}, {}
-    for i, (game, action) in enumerate(zip(games, actions)):
-        obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(action)
-        if "final_obs" in info:
-            final_obs[i] = info["final_obs"]
-        if "episode" in info:
-            episodes[i] = info["episode"]
+    for i in np.flatnonzero(info.get("_final_obs", ())):
+        final_obs[i] = info["final_obs"][i]
+        episodes[i] = {"return": float(info["episode"]["return"][i]), "length": int(info["episode"]["length"][i])}
     return rewards, terminated, truncated, final_obs, episodes
 
 
@@ -168,10 +215,10 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    """Runs a few Games, either in a child process or, with `in_process=True`, right here.
+    """Runs a Game (a batch of envs), either in a child process or, with `in_process=True`, right here.
 
     The trainer and a child talk through a `multiprocessing` pipe: the trainer sends the actions, the
-    child steps its Games and answers with rewards, flags and finished-episode statistics. Observations,
+    child steps its Game and answers with rewards, flags and finished-episode statistics. Observations,
     the one large array, do not go through the pipe: the child writes them straight into shared memory
     (`obs_view`, a numpy view over a `multiprocessing.shared_memory` block that the trainer reads as a
     torch tensor without a copy).
@@ -182,45 +229,43 @@ class Worker:
     trainer's end of its pipe closes, so a trainer that dies, however, never leaves a worker behind.
     """
 
-    def __init__(self, index: int, env_id: str, seeds: list, obs_view: np.ndarray, in_process: bool,
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray, in_process: bool,
                  inherited_trainer_ends: list):
         self.index = index
         self.env_id = env_id
         self.obs_view = obs_view
         self.in_process = in_process
         if in_process:
-            self.games = [Game(env_id, seed) for seed in seeds]
-            for i, game in enumerate(self.games):
-                obs_view[i] = game.reset()
+            self.game = Game(env_id, seed, len(obs_view))
+            obs_view[:] = self.game.reset()
             return
         self.trainer_end, child_end = multiprocessing.Pipe()
         context = multiprocessing.get_context("fork")
         self.process = context.Process(
             target=Worker.child_main,
-            args=(child_end, [self.trainer_end, *inherited_trainer_ends], env_id, seeds, obs_view),
+            args=(child_end, [self.trainer_end, *inherited_trainer_ends], env_id, seed, obs_view),
             name=f"{SCRIPT}-worker-{index}", daemon=True)
         self.process.start()
         child_end.close()
-        self.receive()  # the child's first answer comes once its Games are reset
+        self.receive()  # the child's first answer comes once its Game is reset
 
     @staticmethod
-    def child_main(conn, trainer_ends, env_id, seeds, obs_view):
-        """The loop of the child process: step the Games on each command until told to stop."""
+    def child_main(conn, trainer_ends, env_id, seed, obs_view):
+        """The loop of the child process: step the Game on each command until told to stop."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # A forked child holds copies of every pipe end the trainer had. Closing the trainer's ends makes
         # a recv() here fail with EOFError as soon as the trainer is gone.
         for end in trainer_ends:
             end.close()
         try:
-            games = [Game(env_id, seed) for seed in seeds]
-            for i, game in enumerate(games):
-                obs_view[i] = game.reset()
+            game = Game(env_id, seed, len(obs_view))
+            obs_view[:] = game.reset()
             conn.send(("ok", None))
             while True:
                 command, actions = conn.recv()
                 if command == "close":
                     break
-                conn.send(("ok", step_games(games, actions, obs_view)))
+                conn.send(("ok", step_game(game, actions, obs_view)))
         except (EOFError, BrokenPipeError, KeyboardInterrupt):
             pass  # the trainer is gone or stopping: just exit
         except Exception as error:
@@ -241,7 +286,7 @@ class Worker:
         """The result of the last `send_step`. Waits on the pipe and on the process at once, so a child
         that dies is noticed at once instead of blocking `recv()` forever."""
         if self.in_process:
-            return step_games(self.games, self.actions, self.obs_view)
+            return step_game(self.game, self.actions, self.obs_view)
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
         if self.trainer_end in ready:
             try:
@@ -262,8 +307,7 @@ class Worker:
 
     def close(self):
         if self.in_process:
-            for game in self.games:
-                game.close()
+            self.game.close()
             return
         try:
             self.trainer_end.send(("close", None))
@@ -557,8 +601,8 @@ class Main:
                   file=sys.stderr)
 
     def start_workers(self):
-        """Create the Games: num_workers child processes with num_envs / num_workers Games each (or all
-        Games here with --num-workers 0). Observations land in one [num_envs, obs_size] array that the
+        """Create the Games: num_workers child processes with a Game of num_envs / num_workers envs each
+        (or one Game of all envs here with --num-workers 0). Observations land in one [num_envs, obs_size] array that the
         trainer reads as a tensor without copying."""
         config = self.config
         shape = (config.num_envs, self.obs_size)
@@ -570,8 +614,7 @@ class Main:
         games_per_worker = config.num_envs // max(config.num_workers, 1)
         for index in range(max(config.num_workers, 1)):
             first = index * games_per_worker
-            seeds = [config.seed + i for i in range(first, first + games_per_worker)]
-            worker = Worker(index, config.env, seeds, self.obs_array[first:first + games_per_worker],
+            worker = Worker(index, config.env, config.seed + first, self.obs_array[first:first + games_per_worker],
                             in_process=config.num_workers == 0,
                             inherited_trainer_ends=[w.trainer_end for w in self.workers])
             worker.first = first
@@ -865,7 +908,7 @@ class Main:
         model.load_state_dict(checkpoint["model"])
         torch.manual_seed(config.seed)
         run_dir = Path(self.config.run_dir) if self.config.run_dir else Path(config.eval).parent
-        game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
+        game = Game(config.env, config.seed, num_envs=1, render_mode="rgb_array" if config.video else None)
         video = None
         obs = game.reset()
         returns = []
@@ -873,10 +916,10 @@ class Main:
             while len(returns) < config.eval_episodes:
                 if config.video:
                     video = write_frame(video, game, run_dir / "eval.mp4")
-                actions, _, _ = model.act(torch.from_numpy(obs)[None], greedy=config.greedy)
-                obs, _, _, _, info = game.step(actions[0].numpy())
+                actions, _, _ = model.act(torch.from_numpy(obs), greedy=config.greedy)
+                obs, _, _, _, info = game.step(actions.numpy())
                 if "episode" in info:
-                    returns.append(info["episode"]["return"])
+                    returns.append(float(info["episode"]["return"][0]))
         finally:
             game.close()
             if video is not None:
@@ -898,7 +941,7 @@ def write_frame(video, game: Game, path: Path):
     frame = game.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fps = game.env.metadata.get("render_fps", 30)
+        fps = game.envs.metadata.get("render_fps", 30)
         video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (frame.shape[1], frame.shape[0]))
         if not video.isOpened():
             raise UsageError(f"OpenCV cannot write {path}")

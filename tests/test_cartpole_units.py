@@ -156,21 +156,55 @@ def test_adam_matches_torch_optim_adam():
 
 
 def test_game_reports_episode_and_final_obs_and_resets_itself():
-    game = pc.Game("TestCount-v0", seed=0)  # truncated after 3 steps
-    assert game.reset().tolist() == [0.0]
+    game = pc.Game("TestCount-v0", seed=0, num_envs=2)  # truncated after 3 steps
+    assert game.reset().tolist() == [[0.0], [0.0]]
     for t in (1, 2):
-        obs, reward, terminated, truncated, info = game.step(np.array([0]))
-        assert obs.tolist() == [t] and reward == 1.0 and not terminated and not truncated and info == {}
-    obs, reward, terminated, truncated, info = game.step(np.array([1]))
-    assert not terminated and truncated
-    assert info["final_obs"].tolist() == [3.0] and obs.tolist() == [0.0]
-    assert info["episode"] == {"return": 3.0, "length": 3}
+        obs, rewards, terminated, truncated, info = game.step(np.array([[0], [1]]))
+        assert obs.tolist() == [[t], [t]] and rewards.tolist() == [1, 1] and info == {}
+        assert not terminated.any() and not truncated.any()
+    obs, rewards, terminated, truncated, info = game.step(np.array([[1], [0]]))
+    assert not terminated.any() and truncated.all()
+    assert info["_final_obs"].tolist() == [True, True] and info["final_obs"].tolist() == [[3.0], [3.0]]
+    assert obs.tolist() == [[0.0], [0.0]]
+    assert info["episode"]["return"].tolist() == [3.0, 3.0] and info["episode"]["length"].tolist() == [3, 3]
 
 
 def test_game_converts_actions_to_the_env_form():
-    assert pc.Game("TestGuessDims-v0", 0).env_action(np.array([2, 3])).tolist() == [2, 3]
-    assert pc.Game("TestCopyBits-v0", 0).env_action(np.array([1, 0, 1, 1])).tolist() == [1, 0, 1, 1]
-    assert pc.Game("CartPole-v1", 0).env_action(np.array([1])) == 1
+    assert pc.Game("TestGuessDims-v0", 0, 2).env_actions(np.array([[2, 3], [0, 1]])).tolist() == [[2, 3], [0, 1]]
+    assert pc.Game("TestCopyBits-v0", 0, 1).env_actions(np.array([[1, 0, 1, 1]])).tolist() == [[1, 0, 1, 1]]
+    assert pc.Game("CartPole-v1", 0, 2).env_actions(np.array([[1], [0]])).tolist() == [1, 0]
+
+
+def test_same_step_cartpole_follows_the_library_step_by_step():
+    """Our CartPole restarts an ended pole at once; gymnasium's CartPoleVectorEnv one call later, ignoring
+    that call's action. With one pole and the same seed, both must give the same numbers once the
+    library's restart call (and its reward 0) is taken out."""
+    ours = pc.Game("CartPole-v1", seed=7, num_envs=1)
+    library = gym.make_vec("CartPole-v1", num_envs=1, vectorization_mode="vector_entry_point")
+    assert isinstance(ours.envs, pc.SameStepCartPole)
+    ours_obs = ours.reset()
+    library_obs, _ = library.reset(seed=7)
+    assert np.array_equal(ours_obs, library_obs)
+    rng = np.random.default_rng(0)
+    episodes = 0
+    for _ in range(3000):
+        action = rng.integers(0, 2, size=1)
+        ours_obs, reward, terminated, truncated, info = ours.step(action[:, None])
+        library_obs, library_reward, library_terminated, library_truncated, _ = library.step(action)
+        assert reward[0] == library_reward[0] and terminated[0] == library_terminated[0]
+        assert truncated[0] == library_truncated[0]
+        if terminated[0] or truncated[0]:
+            episodes += 1
+            assert np.array_equal(info["final_obs"], library_obs)
+            library_obs, library_reward, _, _, _ = library.step(np.array([0]))  # the library's restart call
+            assert library_reward[0] == 0
+        assert np.array_equal(ours_obs, library_obs)
+    assert episodes > 50  # random play ends an episode every ~20 steps
+
+
+def test_cartpole_v0_keeps_its_time_limit():
+    game = pc.Game("CartPole-v0", seed=0, num_envs=1)
+    assert game.envs.max_episode_steps == 200
 
 
 def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path):
