@@ -84,6 +84,8 @@ class Config:
     update_epochs: int = option(8, "passes over each rollout")
     clip_coef: float = option(0.2, "PPO's clip range for the probability ratio")
     clip_value_loss: bool = option(False, "clip the value update too (off: it slows CartPole, see Trainer)")
+    # Steps to solve CartPole-v1, seeds 1-3, with the other defaults: 81-82k as set; ent_coef 0.01:
+    # 75-86k, no gain; target_kl 0.02: 85-92k, slower (0.05 never triggers). Hence 0 and None.
     ent_coef: float = option(0.0, "weight of the entropy bonus")
     vf_coef: float = option(0.5, "weight of the value loss")
     max_grad_norm: float = option(0.5, "clip the global gradient norm to this")
@@ -488,7 +490,8 @@ class Trainer:
 
         # Value loss (37 details, #9): squared error to the GAE returns; optionally clipped like the
         # policy, around the values of the rollout. Off by default here: on CartPole the returns grow
-        # faster than a clipped value can follow (measured: see README, "defaults").
+        # faster than a clipped value can follow (CartPole-v1, seeds 1-3: 117-135k steps to solve with
+        # clipping, 81-82k without).
         if config.clip_value_loss:
             clipped_value = old_value + (new_value - old_value).clamp(-config.clip_coef, config.clip_coef)
             value_loss = 0.5 * torch.max((new_value - returns) ** 2, (clipped_value - returns) ** 2).mean()

@@ -114,6 +114,7 @@ def linear_schedule(initial_value):
 def sb3_child(seed, out_file, args):
     """Train SB3 PPO with our hyperparameters for args.steps steps, timing it; write a small JSON."""
     import ale_py  # noqa: F401  (importing it registers the Atari ids with gymnasium)
+    import torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_atari_env
@@ -182,7 +183,7 @@ def sb3_child(seed, out_file, args):
         "learn_seconds": learn_end - learn_start,
         "episodes": clock.episodes,
         "mean_return_100": sum(clock.returns) / len(clock.returns) if clock.returns else None,
-        "torch_threads": __import__("torch").get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
     }
     Path(out_file).write_text(json.dumps(result, indent=2))
 
@@ -554,6 +555,7 @@ def parse_args():
     parser.add_argument("--impl", choices=["ours", "sb3", "both"], default="both",
                         help="implementations to run")
     parser.add_argument("--ours", type=parse_variant, action="append", metavar="LABEL:ARGS",
+                        default=argparse.SUPPRESS,  # so that --help prints the line below, not "None"
                         help='a variant of ours: a label and extra arguments for ppo_atari.py, e.g. '
                         '"compiled:--compile"; repeatable (default: one variant, "default:", no extra args)')
     parser.add_argument("--sb3-vec-env", choices=["dummy", "subproc"], default="dummy",
@@ -572,7 +574,7 @@ def parse_args():
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.impls = ["ours", "sb3"] if args.impl == "both" else [args.impl]
-    args.ours = args.ours or [("default", "")]
+    args.ours = getattr(args, "ours", None) or [("default", "")]
     labels = [label for label, _ in args.ours]
     if len(set(labels)) != len(labels):
         parser.exit(2, f"error: --ours labels must differ, got {', '.join(labels)}\n")
