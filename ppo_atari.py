@@ -147,13 +147,14 @@ class Game:
         frame, _ = self.env.reset(seed=self.seed)  # seed only the first reset; later ones continue its stream
         self.seed = None
         self.previous_frame = self.frame = frame
+        self.episode_return, self.episode_length = 0.0, 0
         for _ in range(self.rng.integers(1, self.noop_max + 1)):
-            self.raw_step(0)
+            self.episode_return += self.raw_step(0)
             if self.game_over:
                 frame, _ = self.env.reset()
                 self.previous_frame = self.frame = frame
+                self.episode_return = 0.0
         self.lives = self.ale.lives()
-        self.episode_return, self.episode_length = 0.0, 0
         if self.needs_fire:
             self.press_fire()
         return self.restart_stack()
@@ -197,11 +198,13 @@ class Game:
         lives = self.ale.lives()
         life_lost = 0 < lives < self.lives  # the last life's loss is game over
         self.lives = lives
-        terminated = self.game_over or life_lost
+        # Read the flags now: the restarts below step the emulator again and overwrite them.
+        game_over, truncated = self.game_over, self.truncated
+        terminated = game_over or life_lost
         info = {}
-        if terminated or self.truncated:
+        if terminated or truncated:
             info["final_obs"] = self.stack.copy()
-        if self.game_over or self.truncated:
+        if game_over or truncated:
             info["episode"] = {"return": self.episode_return, "length": self.episode_length}
             obs = self.reset()
         elif life_lost:
@@ -213,7 +216,7 @@ class Game:
             obs = self.restart_stack()
         else:
             obs = self.stack.copy()
-        return obs, float(np.sign(reward)), terminated, self.truncated, info
+        return obs, float(np.sign(reward)), terminated, truncated, info
 
     def render(self) -> np.ndarray:
         return self.env.render()
@@ -561,11 +564,13 @@ class Main:
     def compile_model(self):
         """torch.compile fuses the network's operations into fewer, faster kernels; where it cannot
         compile, we say so in one line and run eagerly."""
+        eager_forward = self.model.forward
         try:
-            compiled = torch.compile(self.model)
-            compiled.act(torch.zeros((1, FRAME_STACK, FRAME_SIZE, FRAME_SIZE), dtype=torch.uint8, device=self.device))
-            self.model.forward = compiled.forward
+            # Compiling the bound method (not the module) keeps the checkpoint's parameter names as they are.
+            self.model.forward = torch.compile(eager_forward)
+            self.model.act(torch.zeros((1, FRAME_STACK, FRAME_SIZE, FRAME_SIZE), dtype=torch.uint8, device=self.device))
         except Exception as error:
+            self.model.forward = eager_forward
             print(f"warning: torch.compile failed ({type(error).__name__}: {error}); running eagerly",
                   file=sys.stderr)
 

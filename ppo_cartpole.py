@@ -595,11 +595,16 @@ class Main:
     def compile_model(self):
         """torch.compile fuses the small layers into fewer kernels. It costs seconds to compile, which
         CartPole never earns back, hence off by default; where it cannot compile, we say so and run eagerly."""
+        networks = (self.model.actor, self.model.critic)
+        eager_forwards = [network.forward for network in networks]
         try:
-            compiled = torch.compile(self.model)
-            compiled.act(torch.zeros(1, self.obs_size, device=self.device))
-            self.model.forward = compiled.forward
+            # Compiling the bound methods (not the modules) keeps the checkpoint's parameter names as they are.
+            for network, forward in zip(networks, eager_forwards):
+                network.forward = torch.compile(forward)
+            self.model.act(torch.zeros(1, self.obs_size, device=self.device))
         except Exception as error:
+            for network, forward in zip(networks, eager_forwards):
+                network.forward = forward
             print(f"warning: torch.compile failed ({type(error).__name__}: {error}); running eagerly",
                   file=sys.stderr)
 

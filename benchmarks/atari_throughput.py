@@ -66,6 +66,7 @@ How to run it (from the repository root)
 import argparse
 import ast
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -111,6 +112,15 @@ def linear_schedule(initial_value):
     return schedule
 
 
+def make_ale_env(env_id, **kwargs):
+    """gym.make for SB3's SubprocVecEnv: its children start by forkserver or spawn, fresh interpreters
+    where no import of ale_py has registered the Atari ids yet."""
+    import ale_py  # noqa: F401
+    import gymnasium
+
+    return gymnasium.make(env_id, **kwargs)
+
+
 def sb3_child(seed, out_file, args):
     """Train SB3 PPO with our hyperparameters for args.steps steps, timing it; write a small JSON."""
     import ale_py  # noqa: F401  (importing it registers the Atari ids with gymnasium)
@@ -118,7 +128,7 @@ def sb3_child(seed, out_file, args):
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_atari_env
-    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecFrameStack
+    from stable_baselines3.common.vec_env import SubprocVecEnv, VecFrameStack
 
     class SteadyClock(BaseCallback):
         """Takes (time, steps) at the end of the first rollout + update and at the end of training,
@@ -147,8 +157,14 @@ def sb3_child(seed, out_file, args):
             self.end = (time.perf_counter(), self.num_timesteps)
 
     setup_start = time.perf_counter()
-    vec_env_cls = SubprocVecEnv if args.sb3_vec_env == "subproc" else DummyVecEnv
-    env = VecFrameStack(make_atari_env(args.env, n_envs=NUM_ENVS, seed=seed, vec_env_cls=vec_env_cls), n_stack=4)
+    if args.sb3_vec_env == "subproc":
+        # The same env as the id would give (make_vec_env adds render_mode="rgb_array" to an id), made
+        # by a function that registers the Atari ids in the child first.
+        games = make_atari_env(functools.partial(make_ale_env, args.env), n_envs=NUM_ENVS, seed=seed,
+                               env_kwargs={"render_mode": "rgb_array"}, vec_env_cls=SubprocVecEnv)
+    else:
+        games = make_atari_env(args.env, n_envs=NUM_ENVS, seed=seed)  # DummyVecEnv: all in this process
+    env = VecFrameStack(games, n_stack=4)
     model = PPO(
         "CnnPolicy",
         env,
