@@ -72,6 +72,8 @@ class Config:
 
     # Collecting experience.
     num_envs: int = option(64, "games played side by side")
+    # 0 is fastest for CartPole: stepping 64 vectorised poles takes ~60 us, less than a pipe round trip to a
+    # child. Measured here (2 cores, 81,920 steps): 41-44k steps/s with 0 workers, 28-29k with 1, 24-28k with 2.
     num_workers: int = option(0, "child processes that run the games (0 = in this process)")
     num_steps: int = option(32, "steps per game in each rollout; a rollout is num_envs * num_steps steps")
 
