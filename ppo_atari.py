@@ -99,6 +99,12 @@ class UsageError(ValueError):
     """Bad input from the user: the command line prints its message on one line and exits with status 2."""
 
 
+def make_atari(env_id: str, **options) -> gym.Env:
+    """gym.make for an Atari id, without the emulator's start-up banner on stderr."""
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
+    return gym.make(env_id, **options)
+
+
 class Game:
     """One Atari game, preprocessed as DQN, the PPO paper, CleanRL and SB3 do it. Each step:
 
@@ -132,7 +138,7 @@ class Game:
         options = {"obs_type": "grayscale", "frameskip": 1}
         if render_mode:
             options["render_mode"] = render_mode
-        self.env = gym.make(env_id, **options)
+        self.env = make_atari(env_id, **options)
         self.ale = self.env.unwrapped.ale
         meanings = self.env.unwrapped.get_action_meanings()
         self.needs_fire = len(meanings) >= 3 and meanings[1] == "FIRE"  # FireResetEnv's test
@@ -313,8 +319,11 @@ class Worker:
     def send_step(self, actions: np.ndarray):
         if self.in_process:
             self.actions = actions
-        else:
+            return
+        try:
             self.trainer_end.send(("step", actions))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child is gone: receive() finds out how, and says so
 
     def receive(self, timeout: float = 120.0):
         """The result of the last `send_step`. Waits on the pipe and on the process at once, so a child
@@ -545,8 +554,8 @@ class Main:
 
     def setup(self, config: Config, checkpoint: typing.Optional[dict]):
         check_settings(config)
-        self.num_actions = inspect_env(config.env)
         self.device = pick_device(config.device)
+        self.num_actions = inspect_env(config.env)
         self.run_dir = make_run_dir(config)
         self.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
         # Reproducibility: every random draw of the trainer comes from torch's seeded generator (action
@@ -650,6 +659,7 @@ class Main:
             self.allocate_rollout()
             next_obs = self.obs_tensor.to(self.device)
             while self.global_step < config.total_timesteps and self.solved_step is None:
+                self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)
                 if self.solved_step is not None:
                     break  # solved in the middle of a rollout: stop at once, the policy is good enough
@@ -682,14 +692,30 @@ class Main:
         return summary
 
     def allocate_rollout(self):
-        """The rollout buffer: one row per step and env, on the training device. Observations stay uint8."""
+        """The rollout buffer: one row per step and env, on the training device.
+
+        Consecutive observations of a game share 3 of their 4 pictures, so the buffer stores each 84x84
+        picture once (the newest of each observation, 7,056 bytes per step instead of 28,224 for the
+        stacks) and rebuilds the stacks of a minibatch by indexing (`stacks`). Only the first step of
+        the rollout keeps its whole stack, whose older pictures come from the rollout before.
+        """
         shape, device = (self.config.num_steps, self.config.num_envs), self.device
-        self.rollout_obs = torch.zeros(shape + (FRAME_STACK, FRAME_SIZE, FRAME_SIZE), dtype=torch.uint8, device=device)
+        self.rollout_frames = torch.zeros(shape + (FRAME_SIZE, FRAME_SIZE), dtype=torch.uint8, device=device)
+        self.rollout_first_stacks = torch.zeros((self.config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE),
+                                                dtype=torch.uint8, device=device)
         self.rollout_actions = torch.zeros(shape, dtype=torch.long, device=device)
         self.rollout_log_probs = torch.zeros(shape, device=device)
         self.rollout_values = torch.zeros(shape, device=device)
         self.rollout_rewards = torch.zeros(shape, device=device)
         self.rollout_dones = torch.zeros(shape, device=device)
+
+    def anneal_learning_rate(self):
+        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the end,
+        set by the step at which each rollout starts, so that a resumed run continues the schedule."""
+        config = self.config
+        if config.anneal_lr:
+            self.trainer.optimizer.param_groups[0]["lr"] = (
+                config.learning_rate * max(0.0, 1.0 - self.global_step / config.total_timesteps))
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster still
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
@@ -699,7 +725,9 @@ class Main:
         for step in range(config.num_steps):
             if self.stop_signal is not None:
                 raise Interrupted
-            self.rollout_obs[step] = next_obs
+            if step == 0:
+                self.rollout_first_stacks.copy_(next_obs)
+            self.rollout_frames[step] = next_obs[:, -1]
             actions, log_prob, value = self.model.act(next_obs)
             self.rollout_actions[step] = actions
             self.rollout_log_probs[step] = log_prob
@@ -737,19 +765,14 @@ class Main:
         """GAE over the rollout, then update_epochs passes of shuffled minibatches. Returns the mean
         diagnostics of the update as floats (the only host sync of the update)."""
         config = self.config
-        # Linear learning-rate annealing (37 details, #4), by the global step so that a resumed run
-        # continues the schedule where it stopped.
-        if config.anneal_lr:
-            self.trainer.optimizer.param_groups[0]["lr"] = (
-                config.learning_rate * max(0.0, 1.0 - self.global_step / config.total_timesteps))
         with torch.no_grad():
             last_value = self.model.value(next_obs)
         advantages = compute_gae(self.rollout_rewards, self.rollout_values, self.rollout_dones, last_value,
                                  config.gamma, config.gae_lambda)
         returns = advantages + self.rollout_values
-        batch = (self.rollout_obs.flatten(0, 1), self.rollout_actions.flatten(0, 1),
-                 self.rollout_log_probs.flatten(), advantages.flatten(), returns.flatten(),
-                 self.rollout_values.flatten())
+        self.find_episode_starts()
+        batch = (self.rollout_actions.flatten(), self.rollout_log_probs.flatten(), advantages.flatten(),
+                 returns.flatten(), self.rollout_values.flatten())
         batch_size = config.num_envs * config.num_steps
         minibatch_size = batch_size // config.num_minibatches
         totals, count = {}, 0
@@ -757,7 +780,7 @@ class Main:
             order = torch.randperm(batch_size, device=self.device)
             for start in range(0, batch_size, minibatch_size):
                 indices = order[start:start + minibatch_size]
-                stats = self.trainer.update(*(tensor[indices] for tensor in batch))
+                stats = self.trainer.update(self.stacks(indices), *(tensor[indices] for tensor in batch))
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach()
                 count += 1
@@ -773,6 +796,28 @@ class Main:
         if not math.isfinite(stats["explained_variance"]):
             stats["explained_variance"] = 0.0  # a constant return (e.g. all episodes alike) explains nothing
         return stats
+
+    def find_episode_starts(self):
+        """For each step and env, the step at which its training episode started within this rollout
+        (-num_steps when it started before). A stack never reaches back past its episode's start: the
+        Game fills a new episode's stack with its first picture."""
+        num_steps = self.config.num_steps
+        step_index = torch.arange(num_steps, device=self.device)[:, None].expand_as(self.rollout_dones)
+        started = torch.zeros_like(self.rollout_dones, dtype=torch.bool)
+        started[1:] = self.rollout_dones[:-1] > 0  # an episode that ended at step t-1 restarted at step t
+        self.episode_starts = torch.where(started, step_index, -num_steps).cummax(dim=0).values
+
+    def stacks(self, indices: torch.Tensor) -> torch.Tensor:
+        """The observations [batch, 4, 84, 84] of flat rollout indices (step * num_envs + env), rebuilt
+        from the stored pictures exactly as the Game built them."""
+        steps, envs = indices // self.config.num_envs, indices % self.config.num_envs
+        # Picture k of the stack at step t is the newest picture of step t - 3 + k, but no earlier than
+        # the episode's first step; before step 0 it is in the stack kept for step 0.
+        sources = steps[:, None] - (FRAME_STACK - 1) + torch.arange(FRAME_STACK, device=self.device)
+        sources = torch.maximum(sources, self.episode_starts[steps, envs][:, None])
+        from_rollout = self.rollout_frames[sources.clamp(min=0), envs[:, None]]
+        from_first = self.rollout_first_stacks[envs[:, None], (sources + FRAME_STACK - 1).clamp(max=FRAME_STACK - 1)]
+        return torch.where((sources >= 0)[:, :, None, None], from_rollout, from_first)
 
     # ----- logging, checkpoints, summary -----------------------------------------------------------
 
@@ -955,7 +1000,7 @@ def inspect_env(env_id: str) -> int:
     if not str(gym.spec(env_id).entry_point).startswith("ale_py"):
         raise UsageError(f"{env_id} is not an Atari game: use ppo_cartpole.py for games with vector observations")
     try:
-        env = gym.make(env_id, obs_type="grayscale", frameskip=1)
+        env = make_atari(env_id, obs_type="grayscale", frameskip=1)
     except Exception as error:
         raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
     num_actions = int(env.action_space.n)

@@ -65,3 +65,15 @@ class CopyBitsEnv(gym.Env):
 gym.register("TestCount-v0", entry_point=CountEnv, max_episode_steps=3)
 gym.register("TestGuessDims-v0", entry_point=GuessDimsEnv)
 gym.register("TestCopyBits-v0", entry_point=CopyBitsEnv)
+
+
+class ExplodingEnv(CountEnv):
+    """Like CountEnv, but its 5th step raises: a Game that fails inside a worker."""
+
+    def step(self, action):
+        if self.t == 4:
+            raise RuntimeError("boom at step 5")
+        return super().step(action)
+
+
+gym.register("TestExplode-v0", entry_point=ExplodingEnv, max_episode_steps=100)

@@ -109,3 +109,42 @@ def test_a_cartpole_checkpoint_is_refused(tmp_path):
     result = run_script("--eval", tmp_path / "cartpole" / "checkpoint.pt")
     assert result.returncode == 2
     assert "was written by ppo_cartpole.py, not ppo_atari.py" in result.stderr
+
+
+def prepared_main(tmp_path, **settings):
+    """A Main set up for calling its rollout methods directly, as train() would."""
+    main = pa.Main(pa.Config(run_dir=str(tmp_path), num_workers=0, **settings))
+    main.setup(main.config, None)
+    main.writer = pa.make_writer(main.run_dir, main.config)
+    main.recent_returns, main.recent_lengths, main.episodes, main.solved_step = [], [], 0, None
+    main.start_workers()
+    main.allocate_rollout()
+    return main
+
+
+def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundaries(tmp_path):
+    main = prepared_main(tmp_path, num_envs=2, num_steps=100)
+    seen = []
+    act = main.model.act
+    main.model.act = lambda obs, greedy=False: (seen.append(obs.clone()), act(obs, greedy))[1]
+    next_obs = main.obs_tensor
+    boundaries = 0
+    for rollout in range(3):  # the later rollouts start from stacks that reach into the one before
+        seen.clear()
+        next_obs = main.collect_rollout(next_obs)
+        main.find_episode_starts()
+        rebuilt = main.stacks(torch.arange(100 * 2))
+        assert torch.equal(rebuilt, torch.stack(seen).flatten(0, 1)), f"rollout {rollout}"
+        boundaries += int(main.rollout_dones.sum())
+    main.stop_workers()
+    main.writer.close()
+    assert boundaries >= 4  # random Breakout play loses a life every few dozen steps
+
+
+def test_the_rollout_buffer_stores_each_picture_once(tmp_path):
+    main = prepared_main(tmp_path, num_envs=2, num_steps=2048)
+    buffers = [value for name, value in vars(main).items() if name.startswith("rollout_")]
+    bytes_per_step = sum(tensor.nbytes for tensor in buffers) / (2048 * 2)
+    assert bytes_per_step <= 7_100  # a float32 stack would be 112,896, a uint8 stack 28,224
+    main.stop_workers()
+    main.writer.close()

@@ -1,0 +1,264 @@
+"""Runs that stop: bad input, dying workers, Ctrl-C, a dying trainer, a full disk, NaN, corrupt
+checkpoints. Each test injects the fault for real (signals, killed processes, broken files), in both
+scripts wherever it applies."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ppo_atari as pa
+import ppo_cartpole as pc
+from conftest import ROOT
+
+# Small runs of each script: 2 workers, a batch of 128 (cartpole) or 64 (atari) steps.
+SMALL = {
+    "ppo_cartpole": ["--num-envs", 8, "--num-steps", 16, "--num-workers", 2, "--num-minibatches", 2],
+    "ppo_atari": ["--num-envs", 2, "--num-steps", 32, "--num-workers", 2, "--num-minibatches", 2],
+}
+BATCH = {"ppo_cartpole": 8 * 16, "ppo_atari": 2 * 32}
+MODULES = {"ppo_cartpole": pc, "ppo_atari": pa}
+
+
+def run_script(script, *args, timeout=240):
+    return subprocess.run([sys.executable, f"{script}.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_script(script, run_dir, *args):
+    """Start a long run in its own process group (as a terminal would) and wait for its first checkpoint."""
+    command = [f"{script}.py", *SMALL[script], "--total-timesteps", 10 ** 8, "--checkpoint-every", BATCH[script],
+               "--run-dir", run_dir, *args]
+    process = subprocess.Popen(
+        [sys.executable, *map(str, command)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoint.pt").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.1)
+    return process
+
+
+def children(pid):
+    """The child processes of pid (from /proc), alive or not yet reaped."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def workers_of(pid):
+    """The worker processes of a trainer: its children, less multiprocessing's resource tracker (a helper
+    that shared memory starts, which exits by itself with the trainer)."""
+    return [child for child in children(pid)
+            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def running(pid):
+    """True while the process exists and is not a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def wait_until_gone(pids, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def shared_memory_segments():
+    return {path.name for path in Path("/dev/shm").glob("psm_*")}
+
+
+# ----- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+@pytest.mark.parametrize("args,message", [
+    (["--num-steps", 0], "--num-steps must be positive"),
+    (["--total-timesteps", -5], "--total-timesteps must be positive"),
+    (["--num-workers", -1], "--num-workers must be 0"),
+    (["--device", "cuda"], "no CUDA device"),
+])
+def test_bad_settings_exit_2_with_one_line(script, args, message, tmp_path):
+    result = run_script(script, *args, "--run-dir", tmp_path / "run")
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+def test_a_run_dir_under_a_file_is_refused(script, tmp_path):
+    (tmp_path / "file").write_text("")
+    result = run_script(script, "--run-dir", tmp_path / "file" / "run")
+    assert result.returncode == 2 and "cannot write to --run-dir" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def make_checkpoint(script, run_dir):
+    module = MODULES[script]
+    small = {"ppo_cartpole": dict(num_envs=8, num_steps=16), "ppo_atari": dict(num_envs=2, num_steps=32)}[script]
+    module.Main(module.Config(total_timesteps=BATCH[script], num_workers=0, run_dir=str(run_dir), **small)).run()
+    return run_dir / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+def test_truncated_and_foreign_checkpoints_are_refused(script, tmp_path):
+    checkpoint = make_checkpoint(script, tmp_path / "run")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    other = "ppo_atari" if script == "ppo_cartpole" else "ppo_cartpole"
+    for flag in ("--resume", "--eval"):
+        result = run_script(script, flag, truncated, "--run-dir", tmp_path / "new")
+        assert result.returncode == 2 and "not a readable checkpoint" in result.stderr, result.stderr
+        result = run_script(other, flag, checkpoint, "--run-dir", tmp_path / "new")
+        assert result.returncode == 2 and f"was written by {script}.py, not {other}.py" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_resuming_with_another_env_is_refused(tmp_path):
+    checkpoint = make_checkpoint("ppo_cartpole", tmp_path / "run")
+    result = run_script("ppo_cartpole", "--resume", checkpoint, "--env", "Acrobot-v1")
+    assert result.returncode == 2
+    assert "trained with --env CartPole-v1, not Acrobot-v1" in result.stderr
+
+
+# ----- dying workers, Ctrl-C, a dying trainer ------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+def test_a_killed_worker_stops_the_run_within_seconds(script, tmp_path):
+    process = start_script(script, tmp_path / "run")
+    every_child = children(process.pid)
+    workers = workers_of(process.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=20)
+    assert process.returncode == 1
+    assert "worker 1" in stderr and "died (killed by signal SIGKILL)" in stderr
+    assert wait_until_gone(every_child)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["interrupted"] is False and summary["steps"] > 0
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert checkpoint["script"] == script and checkpoint["global_step"] > 0
+
+
+def test_a_game_that_raises_in_a_worker_names_the_worker_the_env_and_the_error(tmp_path):
+    config = pc.Config(env="TestExplode-v0", num_envs=4, num_workers=2, num_steps=8, run_dir=str(tmp_path))
+    with pytest.raises(pc.WorkerError, match=r"worker 0 \(TestExplode-v0\) failed: RuntimeError: boom at step 5"):
+        pc.Main(config).run()
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4 * 4
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+def test_ctrl_c_saves_and_resume_continues_the_schedule(script, tmp_path):
+    segments_before = shared_memory_segments()
+    process = start_script(script, tmp_path / "run")
+    workers = children(process.pid)
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGINT
+    assert wait_until_gone(workers)
+    assert shared_memory_segments() <= segments_before
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    stopped_at = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global_step"]
+    assert summary["steps"] == stopped_at > 0
+
+    new_total = stopped_at + 2 * BATCH[script]
+    result = run_script(script, "--resume", tmp_path / "run" / "checkpoint.pt", "--total-timesteps", new_total)
+    assert result.returncode == 0, result.stderr
+    resumed = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert resumed["global_step"] == new_total
+    # The last update started at new_total - BATCH: the linear schedule continues from the saved step.
+    learning_rate = MODULES[script].Config().learning_rate
+    expected_lr = learning_rate * (1 - (new_total - BATCH[script]) / new_total)
+    saved_lr = resumed["optimizer"]["lr"] if script == "ppo_cartpole" else resumed["optimizer"]["param_groups"][0]["lr"]
+    assert saved_lr == pytest.approx(expected_lr)
+
+
+def test_sigterm_to_the_trainer_alone_saves_too(tmp_path):
+    process = start_script("ppo_cartpole", tmp_path / "run")
+    workers = children(process.pid)
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert wait_until_gone(workers)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["interrupted"] is True
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+def test_a_killed_trainer_leaves_no_worker_behind(script, tmp_path):
+    process = start_script(script, tmp_path / "run")
+    workers = children(process.pid)
+    assert workers
+    process.kill()
+    process.communicate(timeout=10)
+    assert wait_until_gone(workers, seconds=10)
+
+
+# ----- NaN, a full disk ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+def test_a_non_finite_loss_stops_with_the_last_good_weights(script, tmp_path, monkeypatch):
+    module = MODULES[script]
+    original = module.Model.evaluate
+    calls = {"n": 0}
+
+    def evaluate_then_poison(self, obs, actions):
+        calls["n"] += 1
+        log_prob, entropy, value = original(self, obs, actions)
+        if calls["n"] > 2 * 4 * 2:  # from the 3rd update on (epochs x minibatches per update)
+            value = value * float("nan")
+        return log_prob, entropy, value
+
+    monkeypatch.setattr(module.Model, "evaluate", evaluate_then_poison)
+    small = {"ppo_cartpole": dict(num_envs=8, num_steps=16, update_epochs=4),
+             "ppo_atari": dict(num_envs=2, num_steps=32)}[script]
+    config = module.Config(total_timesteps=10 * BATCH[script], num_workers=0, num_minibatches=2,
+                           checkpoint_every=10 ** 9, run_dir=str(tmp_path), **small)
+    with pytest.raises(module.NonFiniteLoss, match="non-finite loss or gradient in update 3"):
+        module.Main(config).run()
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["updates"] == 2
+    assert all(torch.isfinite(tensor).all() for tensor in checkpoint["model"].values())
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+def test_a_failed_checkpoint_write_keeps_the_previous_one(script, tmp_path, monkeypatch, capsys):
+    module = MODULES[script]
+    real_save = torch.save
+    saves = {"n": 0}
+
+    def save_then_fill_the_disk(obj, path, *args, **kwargs):
+        saves["n"] += 1
+        if saves["n"] > 1:
+            with open(path, "wb") as half_written:
+                half_written.write(b"half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(module.torch, "save", save_then_fill_the_disk)
+    small = {"ppo_cartpole": dict(num_envs=8, num_steps=16), "ppo_atari": dict(num_envs=2, num_steps=32)}[script]
+    config = module.Config(total_timesteps=3 * BATCH[script], num_workers=0, num_minibatches=2,
+                           checkpoint_every=BATCH[script], run_dir=str(tmp_path), **small)
+    summary = module.Main(config).run()
+    assert "No space left on device" in capsys.readouterr().err
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert checkpoint["global_step"] == BATCH[script]  # the first save, kept whole
+    assert not list(tmp_path.glob("*.tmp"))
+    assert summary["steps"] == 3 * BATCH[script]
