@@ -92,6 +92,7 @@ def shared_memory_segments():
     (["--total-timesteps", -5], "--total-timesteps must be positive"),
     (["--num-workers", -1], "--num-workers must be 0"),
     (["--device", "cuda"], "no CUDA device"),
+    (["--num-minibatches", 3], "does not split into --num-minibatches 3"),
 ])
 def test_bad_settings_exit_2_with_one_line(script, args, message, tmp_path):
     result = run_script(script, *args, "--run-dir", tmp_path / "run")
@@ -129,11 +130,13 @@ def test_truncated_and_foreign_checkpoints_are_refused(script, tmp_path):
         assert "Traceback" not in result.stderr
 
 
-def test_resuming_with_another_env_is_refused(tmp_path):
-    checkpoint = make_checkpoint("ppo_cartpole", tmp_path / "run")
-    result = run_script("ppo_cartpole", "--resume", checkpoint, "--env", "Acrobot-v1")
+@pytest.mark.parametrize("script,other_env", [("ppo_cartpole", "Acrobot-v1"), ("ppo_atari", "ALE/Pong-v5")])
+def test_resuming_with_another_env_is_refused(script, other_env, tmp_path):
+    checkpoint = make_checkpoint(script, tmp_path / "run")
+    result = run_script(script, "--resume", checkpoint, "--env", other_env)
     assert result.returncode == 2
-    assert "trained with --env CartPole-v1, not Acrobot-v1" in result.stderr
+    default_env = MODULES[script].Config().env
+    assert f"trained with --env {default_env}, not {other_env}" in result.stderr
 
 
 # ----- dying workers, Ctrl-C, a dying trainer ------------------------------------------------------
@@ -161,6 +164,22 @@ def test_a_game_that_raises_in_a_worker_names_the_worker_the_env_and_the_error(t
     with pytest.raises(pc.WorkerError, match=r"worker 0 \(TestExplode-v0\) failed: RuntimeError: boom at step 5"):
         pc.Main(config).run()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4 * 4
+
+
+def test_an_atari_game_that_raises_in_a_worker_names_the_worker_the_env_and_the_error(tmp_path, monkeypatch):
+    step = pa.Game.step
+
+    def step_then_fail(self, action):
+        if self.episode_length == 20:
+            raise ValueError("emulator fault")
+        return step(self, action)
+
+    monkeypatch.setattr(pa.Game, "step", step_then_fail)  # forked workers inherit the patch
+    config = pa.Config(num_envs=2, num_workers=2, num_steps=32, num_minibatches=2, run_dir=str(tmp_path))
+    with pytest.raises(pa.WorkerError,
+                       match=r"worker \d \(BreakoutNoFrameskip-v4\) failed: ValueError: emulator fault"):
+        pa.Main(config).run()
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 20 * 2
 
 
 @pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
