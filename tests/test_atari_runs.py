@@ -12,8 +12,10 @@ from conftest import ROOT
 
 
 def run_script(*args, timeout=240):
-    return subprocess.run([sys.executable, "ppo_atari.py", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    """Run ppo_atari.py eagerly (--no-compile: compiling would cost each test seconds; two tests below
+    check compilation itself)."""
+    return subprocess.run([sys.executable, "ppo_atari.py", "--no-compile", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def patch_task(batch: int, generator: torch.Generator):
@@ -81,7 +83,7 @@ def test_same_seed_same_weights(tmp_path):
     weights = []
     for name in ("a", "b"):
         config = pa.Config(seed=5, total_timesteps=128, num_envs=2, num_steps=64, num_minibatches=2,
-                           num_workers=0, run_dir=str(tmp_path / name))
+                           num_workers=0, compile=False, run_dir=str(tmp_path / name))
         pa.Main(config).run()
         weights.append(torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"])
     for key in weights[0]:
@@ -113,7 +115,7 @@ def test_a_cartpole_checkpoint_is_refused(tmp_path):
 
 def prepared_main(tmp_path, **settings):
     """A Main set up for calling its rollout methods directly, as train() would."""
-    main = pa.Main(pa.Config(run_dir=str(tmp_path), num_workers=0, **settings))
+    main = pa.Main(pa.Config(run_dir=str(tmp_path), num_workers=0, compile=False, **settings))
     main.setup(main.config, None)
     main.writer = pa.make_writer(main.run_dir, main.config)
     main.recent_returns, main.recent_lengths, main.episodes, main.solved_step = [], [], 0, None
@@ -148,3 +150,39 @@ def test_the_rollout_buffer_stores_each_picture_once(tmp_path):
     assert bytes_per_step <= 7_100  # a float32 stack would be 112,896, a uint8 stack 28,224
     main.stop_workers()
     main.writer.close()
+
+
+def test_compiled_and_eager_updates_give_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batch = 32
+    obs = torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, generator=generator)
+    actions = torch.randint(0, 4, (batch,), generator=generator)
+    old_log_prob = torch.log(torch.full((batch,), 0.25)) + 0.1 * torch.randn(batch, generator=generator)
+    advantages, returns, old_value = (torch.randn(batch, generator=generator) for _ in range(3))
+    eager_model, compiled_model = pa.Model(num_actions=4), pa.Model(num_actions=4)
+    compiled_model.load_state_dict(eager_model.state_dict())
+    results = []
+    for model, compiled in ((eager_model, False), (compiled_model, True)):
+        trainer = pa.Trainer(model, pa.Config())
+        compute_loss = torch.compile(trainer.compute_loss) if compiled else trainer.compute_loss
+        loss, stats = compute_loss(obs, actions, old_log_prob, advantages, returns, old_value)
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert torch.allclose(eager_loss, compiled_loss, rtol=1e-4, atol=1e-6)
+    for name in eager_grads:
+        assert torch.allclose(eager_grads[name], compiled_grads[name], rtol=1e-3, atol=1e-6), name
+
+
+def test_a_machine_that_cannot_compile_runs_eagerly_with_one_warning(tmp_path, monkeypatch, capsys):
+    def cannot_compile(function, **options):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(pa.torch, "compile", cannot_compile)
+    config = pa.Config(compile=True, num_envs=2, num_steps=32, num_minibatches=2, total_timesteps=64,
+                       num_workers=0, run_dir=str(tmp_path))
+    summary = pa.Main(config).run()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "torch.compile" in line]
+    assert warnings == ["warning: torch.compile failed (RuntimeError: no compiler here); running eagerly"]
+    assert summary["steps"] == 64

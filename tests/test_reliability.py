@@ -27,13 +27,15 @@ MODULES = {"ppo_cartpole": pc, "ppo_atari": pa}
 
 
 def run_script(script, *args, timeout=240):
-    return subprocess.run([sys.executable, f"{script}.py", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    """Run a script eagerly (--no-compile: compiling would cost each test seconds)."""
+    return subprocess.run([sys.executable, f"{script}.py", "--no-compile", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def start_script(script, run_dir, *args):
     """Start a long run in its own process group (as a terminal would) and wait for its first checkpoint."""
-    command = [f"{script}.py", *SMALL[script], "--total-timesteps", 10 ** 8, "--checkpoint-every", BATCH[script],
+    command = [f"{script}.py", "--no-compile", *SMALL[script], "--total-timesteps", 10 ** 8,
+               "--checkpoint-every", BATCH[script],
                "--run-dir", run_dir, *args]
     process = subprocess.Popen(
         [sys.executable, *map(str, command)],
@@ -112,7 +114,8 @@ def test_a_run_dir_under_a_file_is_refused(script, tmp_path):
 def make_checkpoint(script, run_dir):
     module = MODULES[script]
     small = {"ppo_cartpole": dict(num_envs=8, num_steps=16), "ppo_atari": dict(num_envs=2, num_steps=32)}[script]
-    module.Main(module.Config(total_timesteps=BATCH[script], num_workers=0, run_dir=str(run_dir), **small)).run()
+    module.Main(module.Config(total_timesteps=BATCH[script], num_workers=0, compile=False, run_dir=str(run_dir),
+                              **small)).run()
     return run_dir / "checkpoint.pt"
 
 
@@ -175,7 +178,8 @@ def test_an_atari_game_that_raises_in_a_worker_names_the_worker_the_env_and_the_
         return step(self, action)
 
     monkeypatch.setattr(pa.Game, "step", step_then_fail)  # forked workers inherit the patch
-    config = pa.Config(num_envs=2, num_workers=2, num_steps=32, num_minibatches=2, run_dir=str(tmp_path))
+    config = pa.Config(num_envs=2, num_workers=2, num_steps=32, num_minibatches=2, compile=False,
+                       run_dir=str(tmp_path))
     with pytest.raises(pa.WorkerError,
                        match=r"worker \d \(BreakoutNoFrameskip-v4\) failed: ValueError: emulator fault"):
         pa.Main(config).run()
@@ -248,7 +252,7 @@ def test_a_non_finite_loss_stops_with_the_last_good_weights(script, tmp_path, mo
     monkeypatch.setattr(module.Model, "evaluate", evaluate_then_poison)
     small = {"ppo_cartpole": dict(num_envs=8, num_steps=16, update_epochs=4),
              "ppo_atari": dict(num_envs=2, num_steps=32)}[script]
-    config = module.Config(total_timesteps=10 * BATCH[script], num_workers=0, num_minibatches=2,
+    config = module.Config(total_timesteps=10 * BATCH[script], num_workers=0, num_minibatches=2, compile=False,
                            checkpoint_every=10 ** 9, run_dir=str(tmp_path), **small)
     with pytest.raises(module.NonFiniteLoss, match="non-finite loss or gradient in update 3"):
         module.Main(config).run()
@@ -273,7 +277,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(script, tmp_path, monk
 
     monkeypatch.setattr(module.torch, "save", save_then_fill_the_disk)
     small = {"ppo_cartpole": dict(num_envs=8, num_steps=16), "ppo_atari": dict(num_envs=2, num_steps=32)}[script]
-    config = module.Config(total_timesteps=3 * BATCH[script], num_workers=0, num_minibatches=2,
+    config = module.Config(total_timesteps=3 * BATCH[script], num_workers=0, num_minibatches=2, compile=False,
                            checkpoint_every=BATCH[script], run_dir=str(tmp_path), **small)
     summary = module.Main(config).run()
     assert "No space left on device" in capsys.readouterr().err
