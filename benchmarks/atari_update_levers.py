@@ -1,0 +1,62 @@
+"""One PPO minibatch update of ppo_atari.py, timed alone under each speed lever.
+
+What it measures: the milliseconds of `Trainer.update` (forward, loss, backward, gradient clip, Adam)
+on one minibatch of 256 random uint8 observations, after 3 warm-up updates (which hold any
+compilation), for eager vs channels-last weights vs torch.compile, and 1 vs 2 torch threads. It
+isolates the update, which the training loop spends most of its time in; `atari_throughput.py` measures
+what the levers give in the whole loop.
+
+    python benchmarks/atari_update_levers.py
+"""
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ppo_atari  # noqa: E402  (the script under test, from the repository root)
+
+MINIBATCH = 256
+REPEATS = 20
+
+
+def time_update(channels_last: bool, compiled: bool, threads: int):
+    """(ms per update after warm-up, seconds of the 3 warm-up updates)."""
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    model = ppo_atari.Model(num_actions=4)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    trainer = ppo_atari.Trainer(model, ppo_atari.Config())
+    if compiled:
+        trainer.compute_loss = torch.compile(trainer.compute_loss)
+    batch = (torch.randint(0, 256, (MINIBATCH, 4, 84, 84), dtype=torch.uint8), torch.randint(0, 4, (MINIBATCH,)),
+             torch.randn(MINIBATCH) - 1.4, torch.randn(MINIBATCH), torch.randn(MINIBATCH), torch.randn(MINIBATCH))
+    start = time.perf_counter()
+    for _ in range(3):
+        trainer.update(*batch)
+    warm_up = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(REPEATS):
+        trainer.update(*batch)
+    return (time.perf_counter() - start) / REPEATS * 1000, warm_up
+
+
+def main():
+    print("| layout | compile | threads | ms per minibatch update | warm-up s (3 updates) |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for channels_last, compiled, threads in [(False, False, 2), (True, False, 2), (False, False, 1),
+                                             (False, True, 2), (True, True, 2)]:
+        ms, warm_up = time_update(channels_last, compiled, threads)
+        layout = "channels-last" if channels_last else "contiguous"
+        print(f"| {layout} | {'on' if compiled else 'off'} | {threads} | {ms:.0f} | {warm_up:.1f} |", flush=True)
+    print(f"\nminibatch {MINIBATCH}, mean of {REPEATS} updates; machine: {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads max, python {platform.python_version()}, torch {torch.__version__}; "
+          f"date {datetime.date.today()}")
+
+
+if __name__ == "__main__":
+    main()
