@@ -19,7 +19,6 @@ import argparse
 import copy
 import dataclasses
 import difflib
-import errno
 import json
 import math
 import multiprocessing

@@ -30,23 +30,18 @@ How to run it (from the repository root)
 
 import argparse
 import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from harness import REPO_ROOT, check_ready, fmt, machine, machine_line, report_failure, run_our_script, warn_if_busy
+
 OUR_SCRIPT = REPO_ROOT / "ppo_atari.py"
 DEFAULT_ENV = "BreakoutNoFrameskip-v4"
-TAIL_LINES = 25  # lines of a failed run's output to show
+PACKAGES = ("torch", "gymnasium", "ale-py")  # whose versions the report names
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,73 +75,10 @@ def random_policy(env_id, games, seed):
 # --------------------------------------------------------------------------------------------------
 
 
-def kill_group(proc):
-    """Stop a child and everything it started (it leads its own process group)."""
-    for sig, grace in ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)  # SIGINT first: our script then still writes summary.json
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def timed_run(cmd, timeout, log_dir):
-    """Run `cmd` from the repo root; return (returncode or None on timeout, wall seconds, output tail).
-
-    stdout and stderr go to files, not pipes, so a chatty child can never block on a full pipe.
-    The tail is the end of stderr (or of stdout, when stderr is empty), for the failure report.
-    """
-    stdout_path, stderr_path = Path(log_dir) / "stdout.txt", Path(log_dir) / "stderr.txt"
-    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-            wall = time.perf_counter() - start
-        except subprocess.TimeoutExpired:
-            wall = time.perf_counter() - start
-            returncode = None
-        finally:
-            kill_group(proc)  # on timeout or Ctrl-C of the benchmark; a no-op after a clean exit
-    lines = stderr_path.read_text(errors="replace").splitlines()
-    lines = lines or stdout_path.read_text(errors="replace").splitlines()
-    return returncode, wall, "\n".join(lines[-TAIL_LINES:])
-
-
-def report_failure(name, seed, status, tail):
-    """Say what went wrong, in line with the progress output. A timeout's tail is only the
-    traceback of our own SIGINT, so it is left out."""
-    print(f"  !! {name} seed {seed}: {status}", flush=True)
-    if tail and not status.startswith("timeout"):
-        print("  output (tail):")
-        for line in tail.splitlines():
-            print(f"  | {line}")
-        sys.stdout.flush()
-
-
 def run_ours(seed, args):
-    # The run dir holds only what our script writes; its captured output goes to a second folder.
-    with tempfile.TemporaryDirectory(prefix=f"ours_seed{seed}_") as tmp, \
-            tempfile.TemporaryDirectory(prefix=f"ours_seed{seed}_log_") as log_dir:
-        cmd = [sys.executable, str(OUR_SCRIPT), "--env", args.env, "--seed", str(seed),
-               "--total-timesteps", str(args.steps), "--run-dir", tmp]
-        cmd += shlex.split(args.our_args)
-        returncode, wall, tail = timed_run(cmd, args.timeout, log_dir)
-        summary_path = Path(tmp) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    if returncode is None:
-        status = f"timeout after {args.timeout:g} s"
-    elif returncode != 0:
-        status = f"crashed (exit status {returncode})"
-    elif summary is None:
-        status = "no summary.json written"
-    else:
-        status = "ok"
+    cmd, status, wall, tail, summary, _ = run_our_script(
+        OUR_SCRIPT, ["--env", args.env, "--seed", str(seed), "--total-timesteps", str(args.steps)], args.our_args,
+        seed, args.timeout)
     row = {
         "seed": seed,
         "status": status,
@@ -166,38 +98,6 @@ def run_ours(seed, args):
 # --------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------
-
-
-def machine():
-    def version(package):
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    cpu = platform.processor()
-    if not cpu or cpu == platform.machine():  # Linux often says only "x86_64" here
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-    return {
-        "cpu": cpu or platform.machine(),
-        "nproc": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_average_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "gymnasium": version("gymnasium"),
-        "ale_py": version("ale-py"),
-    }
-
-
-def fmt(value, spec):
-    return "–" if value is None else format(value, spec)
 
 
 def mean_std(values):
@@ -247,9 +147,7 @@ def print_report(rows, summary, info, date, args):
           "last 100 games finished in training, stochastic policy.")
     if args.our_args:
         print(f"our extra args: {args.our_args}")
-    print(f"machine: {info['cpu']}, nproc {info['nproc']}, {info['platform']}, python {info['python']}, "
-          f"torch {info['torch']}, gymnasium {info['gymnasium']}, ale-py {info['ale_py']}, "
-          f"load average at start {info['load_average_at_start']}")
+    print(machine_line(info, PACKAGES))
     print(f"date: {date}")
 
 
@@ -281,13 +179,9 @@ def parse_args():
 
 def main():
     args = parse_args()
-    if not OUR_SCRIPT.exists():
-        print(f"error: {OUR_SCRIPT} not found; run from a checkout that has it", file=sys.stderr)
-        sys.exit(2)
-    info = machine()  # taken now, so the load average is the one the runs start under
-    if info["load_average_at_start"] and info["load_average_at_start"] > 0.5:
-        print(f"warning: 1-minute load average is {info['load_average_at_start']} before starting; "
-              "other work on this machine slows the runs (the scores do not depend on it)", flush=True)
+    check_ready(OUR_SCRIPT)
+    info = machine(PACKAGES)  # taken now, so the load average is the one the runs start under
+    warn_if_busy(info, "slows the runs (the scores do not depend on it)")
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
     # The random policy first: it takes seconds, and a broken setup shows before the long runs.

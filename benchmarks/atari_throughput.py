@@ -67,29 +67,26 @@ import argparse
 import ast
 import datetime
 import functools
-import importlib.metadata
 import json
-import os
-import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
-# This file's top level imports only the standard library, so that the SB3 child process pays for
-# its own imports (SB3, torch, gymnasium, ale-py) just like our script does, and so that the memory
-# wrapper adds nothing but the interpreter to the peak it measures.
+from harness import (REPO_ROOT, check_ready, fmt, linear_schedule, machine, machine_line, report_failure,
+                     run_our_script, run_status, timed_run, warn_if_busy)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# This file's top level imports only the standard library (and harness.py, which does too), so that
+# the SB3 child process pays for its own imports (SB3, torch, gymnasium, ale-py) just like our script
+# does, and so that the memory wrapper adds nothing but the interpreter to the peak it measures.
+
 OUR_SCRIPT = REPO_ROOT / "ppo_atari.py"
 DEFAULT_ENV = "BreakoutNoFrameskip-v4"
 WINDOW = 100  # games in the mean return reported in the JSON (a sanity check, not a speed)
-TAIL_LINES = 25  # lines of a failed run's output to show
+PACKAGES = ("torch", "gymnasium", "ale-py", "stable-baselines3")  # whose versions the report names
 ROLLOUT_BYTES_PER_STEP = 4 * 84 * 84 + 8 + 4 * 4  # obs uint8, action int64, log-prob/value/reward/done float32
 
 # The shared hyperparameters (the PPO paper's Atari settings, ppo_atari.py's defaults).
@@ -100,16 +97,6 @@ LEARNING_RATE, CLIP, ENT_COEF, VF_COEF, MAX_GRAD_NORM, GAMMA, GAE_LAMBDA = 2.5e-
 # --------------------------------------------------------------------------------------------------
 # The SB3 reference, run in a child process
 # --------------------------------------------------------------------------------------------------
-
-
-def linear_schedule(initial_value):
-    """Decays linearly from `initial_value` to 0 over the whole budget, as ours anneals its learning
-    rate. SB3 calls a schedule with `progress_remaining`, which goes from 1 at the start to 0 at the end."""
-
-    def schedule(progress_remaining):
-        return progress_remaining * initial_value
-
-    return schedule
 
 
 def make_ale_env(env_id, **kwargs):
@@ -234,65 +221,6 @@ def rss_child(out_file, script_args):
 # --------------------------------------------------------------------------------------------------
 
 
-def kill_group(proc):
-    """Stop a child and everything it started (it leads its own process group)."""
-    for sig, grace in ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)  # SIGINT first: our script then still writes summary.json
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def timed_run(cmd, timeout, log_dir):
-    """Run `cmd` from the repo root; return (returncode or None on timeout, wall seconds, output tail).
-
-    stdout and stderr go to files, not pipes, so a chatty child can never block on a full pipe.
-    The tail is the end of stderr (or of stdout, when stderr is empty), for the failure report.
-    """
-    stdout_path, stderr_path = Path(log_dir) / "stdout.txt", Path(log_dir) / "stderr.txt"
-    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-            wall = time.perf_counter() - start
-        except subprocess.TimeoutExpired:
-            wall = time.perf_counter() - start
-            returncode = None
-        finally:
-            kill_group(proc)  # on timeout or Ctrl-C of the benchmark; a no-op after a clean exit
-    lines = stderr_path.read_text(errors="replace").splitlines()
-    lines = lines or stdout_path.read_text(errors="replace").splitlines()
-    return returncode, wall, "\n".join(lines[-TAIL_LINES:])
-
-
-def run_status(returncode, result, timeout, missing="no summary.json written"):
-    if returncode is None:
-        return f"timeout after {timeout:g} s"
-    if returncode != 0:
-        return f"crashed (exit status {returncode})"
-    if result is None:
-        return missing
-    return "ok"
-
-
-def report_failure(name, seed, status, tail):
-    """Say what went wrong, in line with the progress output. A timeout's tail is only the
-    traceback of our own SIGINT, so it is left out."""
-    print(f"  !! {name} seed {seed}: {status}", flush=True)
-    if tail and not status.startswith("timeout"):
-        print("  output (tail):")
-        for line in tail.splitlines():
-            print(f"  | {line}")
-        sys.stdout.flush()
-
-
 def default_compile():
     """ppo_atari.py's default for --compile, read from its Config without importing it (no torch here)."""
     try:
@@ -321,17 +249,9 @@ def compile_setting(extra_args):
 
 def run_ours(variant, seed, args):
     label, extra = variant
-    # The run dir holds only what our script writes; its captured output goes to a second folder.
-    with tempfile.TemporaryDirectory(prefix=f"ours_seed{seed}_") as tmp, \
-            tempfile.TemporaryDirectory(prefix=f"ours_seed{seed}_log_") as log_dir:
-        cmd = [sys.executable, str(OUR_SCRIPT), "--env", args.env, "--seed", str(seed),
-               "--total-timesteps", str(args.steps), "--run-dir", tmp]
-        cmd += shlex.split(extra)
-        returncode, wall, tail = timed_run(cmd, args.timeout, log_dir)
-        summary_path = Path(tmp) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-        stderr = (Path(log_dir) / "stderr.txt").read_text(errors="replace")
-    status = run_status(returncode, summary, args.timeout)
+    cmd, status, wall, tail, summary, stderr = run_our_script(
+        OUR_SCRIPT, ["--env", args.env, "--seed", str(seed), "--total-timesteps", str(args.steps)], extra,
+        seed, args.timeout)
     compiled = compile_setting(extra)
     if compiled == "on" and "torch.compile failed" in stderr:
         compiled = "failed, ran eagerly"  # the script's one-line warning when it cannot compile
@@ -432,39 +352,6 @@ def run_memory(args):
 # --------------------------------------------------------------------------------------------------
 
 
-def machine():
-    def version(package):
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    cpu = platform.processor()
-    if not cpu or cpu == platform.machine():  # Linux often says only "x86_64" here
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-    return {
-        "cpu": cpu or platform.machine(),
-        "nproc": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_average_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "gymnasium": version("gymnasium"),
-        "ale_py": version("ale-py"),
-        "stable_baselines3": version("stable-baselines3"),
-    }
-
-
-def fmt(value, spec):
-    return "–" if value is None else format(value, spec)
-
-
 def ratio_text(value):
     return "–" if value is None else f"{value:.2f}"
 
@@ -536,10 +423,7 @@ def print_report(rows, summary, memory, info, date, args):
           "(ours: games included; SB3: call of learn()) to the end of the first update.")
     print(f"env {args.env}, {args.steps:,} steps per run, {NUM_ENVS} envs x {NUM_STEPS} steps per rollout, "
           f"minibatch {BATCH_SIZE}, {EPOCHS} epochs; SB3 with clip_range_vf={CLIP} to clip the value loss as ours does.")
-    print(f"machine: {info['cpu']}, nproc {info['nproc']}, {info['platform']}, python {info['python']}, "
-          f"torch {info['torch']}, gymnasium {info['gymnasium']}, ale-py {info['ale_py']}, "
-          f"stable-baselines3 {info['stable_baselines3']}, "
-          f"load average at start {info['load_average_at_start']}")
+    print(machine_line(info, PACKAGES))
     print(f"date: {date}")
 
 
@@ -611,25 +495,14 @@ def main():
         seed, out_file = args.sb3_child
         sb3_child(int(seed), out_file, args)
         return
-    if ("ours" in args.impls or args.memory) and not OUR_SCRIPT.exists():
-        print(f"error: {OUR_SCRIPT} not found; run from a checkout that has it, or pass --impl sb3",
-              file=sys.stderr)
-        sys.exit(2)
-    if "sb3" in args.impls:
-        try:
-            importlib.metadata.version("stable-baselines3")
-        except importlib.metadata.PackageNotFoundError:
-            print("error: stable-baselines3 is not installed; "
-                  "pip install -r benchmarks/requirements.txt", file=sys.stderr)
-            sys.exit(2)
+    check_ready(OUR_SCRIPT if "ours" in args.impls or args.memory else None, sb3="sb3" in args.impls,
+                hint=", or pass --impl sb3")
     if args.steps < 2 * NUM_ENVS * NUM_STEPS:
         print(f"warning: --steps {args.steps:,} is less than two rollouts ({2 * NUM_ENVS * NUM_STEPS:,} steps): "
               "there is no steady part to measure", flush=True)
 
-    info = machine()  # taken now, so the load average is the one the runs start under
-    if info["load_average_at_start"] and info["load_average_at_start"] > 0.5:
-        print(f"warning: 1-minute load average is {info['load_average_at_start']} before starting; "
-              "other work on this machine will slow every implementation", flush=True)
+    info = machine(PACKAGES)  # taken now, so the load average is the one the runs start under
+    warn_if_busy(info, "will slow every implementation")
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     groups = [("ours", label) for label, _ in args.ours] if "ours" in args.impls else []
     groups += [("sb3", "sb3")] if "sb3" in args.impls else []

@@ -38,46 +38,31 @@ How to run it (from the repository root)
 
 import argparse
 import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
-# This file's top level imports only the standard library, so that the SB3 child process pays for
-# Python startup and its own imports (SB3, torch, gymnasium) just like our script does.
+from harness import (REPO_ROOT, check_ready, fmt, linear_schedule, machine, machine_line, report_failure,
+                     run_our_script, timed_run, warn_if_busy)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# This file's top level imports only the standard library (and harness.py, which does too), so that
+# the SB3 child process pays for Python startup and its own imports (SB3, torch, gymnasium) just like
+# our script does.
+
 OUR_SCRIPT = REPO_ROOT / "ppo_cartpole.py"
 TARGET_RETURN = 475.0  # CartPole-v1's reward threshold, over 100 consecutive episodes
 WINDOW = 100  # episodes in the moving mean
-TAIL_LINES = 25  # lines of a failed run's output to show
+PACKAGES = ("torch", "gymnasium", "stable-baselines3")  # whose versions the report names
 
 
 # --------------------------------------------------------------------------------------------------
 # The SB3 reference, run in a child process
 # --------------------------------------------------------------------------------------------------
-
-
-def linear_schedule(initial_value):
-    """The zoo's `lin_<x>`: decays linearly from `initial_value` to 0 over the whole budget.
-
-    SB3 calls a schedule with `progress_remaining`, which goes from 1 at the start to 0 at
-    `total_timesteps`. A larger `--sb3-timesteps` therefore also stretches the decay.
-    """
-
-    def schedule(progress_remaining):
-        return progress_remaining * initial_value
-
-    return schedule
 
 
 def sb3_child(seed, out_file, total_timesteps):
@@ -147,74 +132,10 @@ def sb3_child(seed, out_file, total_timesteps):
 # --------------------------------------------------------------------------------------------------
 
 
-def kill_group(proc):
-    """Stop a child and everything it started (it leads its own process group)."""
-    for sig, grace in ((signal.SIGINT, 10.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)  # SIGINT first: our script then still writes summary.json
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def timed_run(cmd, timeout, log_dir):
-    """Run `cmd` from the repo root; return (returncode or None on timeout, wall seconds, output tail).
-
-    stdout and stderr go to files, not pipes, so a chatty child can never block on a full pipe.
-    The tail is the end of stderr (or of stdout, when stderr is empty), for the failure report.
-    """
-    stdout_path, stderr_path = Path(log_dir) / "stdout.txt", Path(log_dir) / "stderr.txt"
-    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-            wall = time.perf_counter() - start
-        except subprocess.TimeoutExpired:
-            wall = time.perf_counter() - start
-            returncode = None
-        finally:
-            kill_group(proc)  # on timeout or Ctrl-C of the benchmark; a no-op after a clean exit
-    lines = stderr_path.read_text(errors="replace").splitlines()
-    lines = lines or stdout_path.read_text(errors="replace").splitlines()
-    return returncode, wall, "\n".join(lines[-TAIL_LINES:])
-
-
-def report_failure(name, seed, status, tail):
-    """Say what went wrong, in line with the progress output. A timeout's tail is only the
-    traceback of our own SIGINT, so it is left out."""
-    print(f"  !! {name} seed {seed}: {status}", flush=True)
-    if tail and not status.startswith("timeout"):
-        print("  output (tail):")
-        for line in tail.splitlines():
-            print(f"  | {line}")
-        sys.stdout.flush()
-
-
 def run_ours(seed, args):
-    # The run dir holds only what our script writes; its captured output goes to a second folder.
-    with tempfile.TemporaryDirectory(prefix=f"ours_seed{seed}_") as tmp, \
-            tempfile.TemporaryDirectory(prefix=f"ours_seed{seed}_log_") as log_dir:
-        cmd = [sys.executable, str(OUR_SCRIPT), "--seed", str(seed),
-               "--target-return", str(TARGET_RETURN), "--run-dir", tmp]
-        cmd += shlex.split(args.our_args)
-        returncode, wall, tail = timed_run(cmd, args.timeout, log_dir)
-        summary_path = Path(tmp) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    cmd, status, wall, tail, summary, _ = run_our_script(
+        OUR_SCRIPT, ["--seed", str(seed), "--target-return", str(TARGET_RETURN)], args.our_args, seed, args.timeout)
     row = {"implementation": "ours", "seed": seed, "wall_seconds": wall, "command": shlex.join(cmd)}
-    if returncode is None:
-        status = f"timeout after {args.timeout:g} s"
-    elif returncode != 0:
-        status = f"crashed (exit status {returncode})"
-    elif summary is None:
-        status = "no summary.json written"
-    else:
-        status = "ok"
     solved = summary is not None and summary.get("solved_step") is not None
     row.update({
         "status": status,
@@ -263,38 +184,6 @@ def run_sb3(seed, args):
 # --------------------------------------------------------------------------------------------------
 
 
-def machine():
-    def version(package):
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    cpu = platform.processor()
-    if not cpu or cpu == platform.machine():  # Linux often says only "x86_64" here
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-    return {
-        "cpu": cpu or platform.machine(),
-        "nproc": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_average_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "gymnasium": version("gymnasium"),
-        "stable_baselines3": version("stable-baselines3"),
-    }
-
-
-def fmt(value, spec):
-    return "–" if value is None else format(value, spec)
-
-
 def summarize(rows, implementations):
     summary = {}
     for name in implementations:
@@ -338,10 +227,7 @@ def print_report(rows, summary, info, date, args):
         print(f"SB3 budget: {args.sb3_timesteps:,} timesteps (linear schedules decay over it).")
     if args.our_args and "ours" in args.impl:
         print(f"our extra args: {args.our_args}")
-    print(f"machine: {info['cpu']}, nproc {info['nproc']}, {info['platform']}, python {info['python']}, "
-          f"torch {info['torch']}, gymnasium {info['gymnasium']}, "
-          f"stable-baselines3 {info['stable_baselines3']}, "
-          f"load average at start {info['load_average_at_start']}")
+    print(machine_line(info, PACKAGES))
     print(f"date: {date}")
 
 
@@ -380,23 +266,11 @@ def main():
         seed, out_file = args.sb3_child
         sb3_child(int(seed), out_file, args.sb3_timesteps)
         return
-    if "ours" in args.impl and not OUR_SCRIPT.exists():
-        print(f"error: {OUR_SCRIPT} not found; run from a checkout that has it, or pass --impl sb3",
-              file=sys.stderr)
-        sys.exit(2)
-    if "sb3" in args.impl:
-        try:
-            importlib.metadata.version("stable-baselines3")
-        except importlib.metadata.PackageNotFoundError:
-            print("error: stable-baselines3 is not installed; "
-                  "pip install -r benchmarks/requirements.txt", file=sys.stderr)
-            sys.exit(2)
+    check_ready(OUR_SCRIPT if "ours" in args.impl else None, sb3="sb3" in args.impl, hint=", or pass --impl sb3")
 
     runners = {"ours": run_ours, "sb3": run_sb3}
-    info = machine()  # taken now, so the load average is the one the runs start under
-    if info["load_average_at_start"] and info["load_average_at_start"] > 0.5:
-        print(f"warning: 1-minute load average is {info['load_average_at_start']} before starting; "
-              "other work on this machine will slow both implementations", flush=True)
+    info = machine(PACKAGES)  # taken now, so the load average is the one the runs start under
+    warn_if_busy(info, "will slow both implementations")
     rows = []
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     for seed in args.seeds:  # interleaved: seed 1 ours, seed 1 sb3, seed 2 ours, ...
