@@ -79,15 +79,16 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
     assert frame.std() > 0  # a picture, not a blank frame
 
 
-def test_same_seed_same_weights(tmp_path):
-    weights = []
-    for name in ("a", "b"):
+def test_same_seed_same_weights_in_process_and_in_workers(tmp_path):
+    weights = {}
+    for name, workers in (("a", 0), ("b", 0), ("c", 2)):
         config = pa.Config(seed=5, total_timesteps=128, num_envs=2, num_steps=64, num_minibatches=2,
-                           num_workers=0, compile=False, run_dir=str(tmp_path / name))
+                           num_workers=workers, compile=False, run_dir=str(tmp_path / name))
         pa.Main(config).run()
-        weights.append(torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"])
-    for key in weights[0]:
-        assert torch.equal(weights[0][key], weights[1][key]), key
+        weights[name] = torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"]
+    for key in weights["a"]:
+        assert torch.equal(weights["a"][key], weights["b"][key]), key
+        assert torch.equal(weights["a"][key], weights["c"][key]), key
 
 
 @pytest.mark.parametrize("args,message", [
