@@ -811,11 +811,10 @@ class Main:
                 break
         stats = {key: (value / count).item() for key, value in totals.items()}
         # Explained variance: 1 means the value function predicts the returns perfectly, 0 not at all.
+        # A constant return (e.g. all episodes alike) leaves nothing to explain: 0.
         returns_variance = returns.var().item()
-        stats["explained_variance"] = (float("nan") if returns_variance == 0 else
+        stats["explained_variance"] = (0.0 if returns_variance == 0 else
                                        1 - (returns - self.rollout_values).var().item() / returns_variance)
-        if not math.isfinite(stats["explained_variance"]):
-            stats["explained_variance"] = 0.0  # a constant return (e.g. all episodes alike) explains nothing
         return stats
 
     def find_episode_starts(self):
