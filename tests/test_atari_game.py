@@ -409,9 +409,9 @@ def test_truncation_inside_the_repeat_is_reported():
     _, _, terminated, truncated, info = game.step(2)
     events = recorder.since(mark)
     reset_at = next(i for i, e in enumerate(events) if e[0] == "reset")
-    assert Recorder.actions(events[:reset_at]) == [2, 2, 2]  # this part holds
+    assert Recorder.actions(events[:reset_at]) == [2, 2, 2]  # 3 frames, not 4
     assert "episode" in info and not terminated
-    assert truncated  # this does not
+    assert truncated  # a time limit is reported as truncation, not as the end of the game
     game.close()
 
 
