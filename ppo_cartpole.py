@@ -704,7 +704,7 @@ class Main:
             self.start_workers()
             self.allocate_rollout()
             next_obs = self.obs_tensor.to(self.device)
-            while self.global_step < config.total_timesteps and self.solved_step is None:
+            while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)
                 if self.solved_step is not None:
