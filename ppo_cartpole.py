@@ -165,7 +165,7 @@ class Game:
         self.seed = None
         self.episode_returns[:] = 0
         self.episode_lengths[:] = 0
-        return np.asarray(obs, dtype=np.float32).reshape(self.num_envs, -1)
+        return self.flat(obs)
 
     def step(self, actions: np.ndarray):
         obs, rewards, terminated, truncated, env_info = self.envs.step(self.env_actions(actions))
@@ -175,14 +175,18 @@ class Game:
         ended = terminated | truncated
         if ended.any():
             info["_final_obs"] = info["_episode"] = ended
-            info["final_obs"] = np.zeros_like(obs, dtype=np.float32).reshape(self.num_envs, -1)
-            for i in np.flatnonzero(ended):
-                info["final_obs"][i] = np.asarray(env_info["final_obs"][i], dtype=np.float32).reshape(-1)
+            info["final_obs"] = np.zeros_like(self.flat(obs))
+            info["final_obs"][ended] = self.flat(np.stack(env_info["final_obs"][ended]))
             info["episode"] = {"return": self.episode_returns.copy(), "length": self.episode_lengths.copy()}
             self.episode_returns[ended] = 0
             self.episode_lengths[ended] = 0
-        obs = np.asarray(obs, dtype=np.float32).reshape(self.num_envs, -1)
-        return obs, rewards.astype(np.float32), terminated, truncated, info
+        return self.flat(obs), rewards.astype(np.float32), terminated, truncated, info
+
+    @staticmethod
+    def flat(obs) -> np.ndarray:
+        """A batch of observations as float32 rows, whatever their Box's shape: [batch, obs_size]."""
+        obs = np.asarray(obs, dtype=np.float32)
+        return obs.reshape(len(obs), -1)
 
     def env_actions(self, actions: np.ndarray):
         """The model picks one index per action dimension, counting from 0: [num_envs, dims]. The envs
