@@ -1,0 +1,220 @@
+"""ppo_cartpole.py under torchrun: data-parallel ranks on CPU (gloo), started as a user starts them
+(`python -m torch.distributed.run --standalone --nproc_per_node N ppo_cartpole.py ...`). Each test starts real
+processes and, where it applies, injects the fault for real (signals, a killed rank, diverging weights)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ppo_cartpole as pc
+from conftest import ROOT
+
+# 2 ranks x 8 envs x 16 steps: a global batch of 256 steps per update.
+SMALL = ["--num-envs", 8, "--num-steps", 16, "--num-minibatches", 2]
+GLOBAL_BATCH = 2 * 8 * 16
+
+
+def torchrun(*args, nproc=2, script="ppo_cartpole.py"):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            str(script), *map(str, args)]
+
+
+def run(*args, nproc=2, script="ppo_cartpole.py", timeout=60):
+    return subprocess.run(torchrun(*args, nproc=nproc, script=script), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def summary_of(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def checkpoint_of(run_dir):
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)
+
+
+def no_traceback_of_ours(stderr):
+    """torchrun prints a traceback of its own when a rank fails; the ranks must not."""
+    return 'ppo_cartpole.py", line' not in stderr
+
+
+def children(pid):
+    """The child processes of pid (from /proc), alive or not yet reaped."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def ranks_of(torchrun_pid):
+    """{rank: pid} of the processes torchrun started, from the RANK in their environment."""
+    ranks = {}
+    for pid in children(torchrun_pid):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        ranks[next(int(entry[5:]) for entry in environ if entry.startswith(b"RANK="))] = pid
+    return ranks
+
+
+def everything_below(torchrun_pid):
+    """The ranks and their children (the workers, and multiprocessing's resource tracker)."""
+    ranks = list(ranks_of(torchrun_pid).values())
+    return ranks + [child for rank in ranks for child in children(rank)]
+
+
+def running(pid):
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def wait_until_gone(pids, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def start_long_run(run_dir):
+    """A long 2-rank run, each rank with 2 worker processes, in its own process group (as a terminal starts
+    it); returns once rank 0 has written its first checkpoint."""
+    process = subprocess.Popen(
+        torchrun(*SMALL, "--num-workers", 2, "--total-timesteps", 10 ** 8, "--checkpoint-every", GLOBAL_BATCH,
+                 "--run-dir", run_dir),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "checkpoint.pt").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 60 s"
+        time.sleep(0.1)
+    return process
+
+
+def test_two_ranks_train_one_network_and_count_the_steps_of_both(tmp_path):
+    result = run(*SMALL, "--total-timesteps", 8 * GLOBAL_BATCH, "--run-dir", tmp_path)
+    assert result.returncode == 0, result.stderr  # 0: the end-of-run weight check passed too
+    summary = summary_of(tmp_path)
+    assert summary["world_size"] == 2 and summary["steps"] == 8 * GLOBAL_BATCH and not summary["interrupted"]
+    checkpoint = checkpoint_of(tmp_path)
+    assert checkpoint["global_step"] == 8 * GLOBAL_BATCH and checkpoint["updates"] == 8
+    assert checkpoint["optimizer"]["steps"] == 8 * 8 * 2  # updates x epochs x minibatches, as alone
+    assert result.stdout.count("| done") == 1  # rank 0 alone prints and logs
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+
+
+def test_ranks_whose_weights_differ_fail_the_run(tmp_path):
+    # A driver that nudges rank 1's weights after each update, as a bug in the averaging would.
+    driver = tmp_path / "diverge.py"
+    driver.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+import ppo_cartpole as pc
+
+update = pc.Main.update
+
+def update_then_nudge_rank_1(self, next_obs):
+    stats = update(self, next_obs)
+    if self.ranks.rank == 1:
+        with torch.no_grad():
+            self.model.critic[0].bias += 1e-6
+    return stats
+
+pc.Main.update = update_then_nudge_rank_1
+try:
+    pc.Main(pc.parse_config()).run()
+except pc.RankError as error:
+    print(f"error: {{error}}", file=sys.stderr)
+    sys.exit(1)
+""")
+    result = run(*SMALL, "--total-timesteps", 2 * GLOBAL_BATCH, "--run-dir", tmp_path / "run", script=driver)
+    assert result.returncode == 1
+    assert result.stderr.count("error: the weights of rank 1 differ from rank 0's at the end of the run") == 2
+
+
+def test_one_rank_under_torchrun_equals_a_run_alone(tmp_path):
+    result = run("--seed", 3, "--total-timesteps", 8192, "--run-dir", tmp_path / "torchrun", nproc=1)
+    assert result.returncode == 0, result.stderr
+    alone = pc.Main(pc.Config(seed=3, total_timesteps=8192, run_dir=str(tmp_path / "alone"))).run()
+    summary = summary_of(tmp_path / "torchrun")
+    for key in ("steps", "episodes", "mean_return_100", "world_size"):
+        assert summary[key] == alone[key], key
+    ours, theirs = checkpoint_of(tmp_path / "torchrun"), checkpoint_of(tmp_path / "alone")
+    for key in ours["model"]:
+        assert torch.equal(ours["model"][key], theirs["model"][key]), key
+    for mine, other in zip(ours["optimizer"]["exp_avg_sq"], theirs["optimizer"]["exp_avg_sq"]):
+        assert torch.equal(mine, other)
+
+
+def test_target_kl_stops_the_epochs_of_all_ranks_together(tmp_path):
+    # At 0.01 the two ranks' own KLs fall on either side of the target in most updates (measured: from the
+    # first one): ranks that decided alone would part ways in their collectives and hang or fail.
+    result = run(*SMALL, "--target-kl", 0.01, "--total-timesteps", 10 * GLOBAL_BATCH, "--run-dir", tmp_path,
+                 timeout=60)
+    assert result.returncode == 0, result.stderr
+    checkpoint = checkpoint_of(tmp_path)
+    assert checkpoint["global_step"] == 10 * GLOBAL_BATCH
+    assert checkpoint["optimizer"]["steps"] < 10 * 8 * 2  # some updates did stop early
+
+
+def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_leaves_no_process(tmp_path):
+    process = start_long_run(tmp_path)
+    assert sorted(ranks_of(process.pid)) == [0, 1]
+    processes = everything_below(process.pid)
+    assert len(processes) >= 2 + 2 * 2  # two ranks, each with two workers
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C; torchrun passes it on to the ranks
+    _, stderr = process.communicate(timeout=30)
+    assert wait_until_gone(processes)
+    assert no_traceback_of_ours(stderr)
+    summary = summary_of(tmp_path)
+    assert summary["interrupted"] is True and summary["world_size"] == 2
+    assert summary["steps"] == checkpoint_of(tmp_path)["global_step"] > 0
+
+
+def test_a_signal_to_one_rank_stops_all_ranks_together(tmp_path):
+    # SIGTERM to rank 1 alone (as a scheduler might send it on one machine): rank 0 learns of it at the next
+    # meeting of the ranks, and both stop after the same rollout. Had rank 1 stopped alone, rank 0 would wait.
+    process = start_long_run(tmp_path)
+    processes = everything_below(process.pid)
+    os.kill(ranks_of(process.pid)[1], signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert wait_until_gone(processes)
+    assert no_traceback_of_ours(stderr) and "lost contact" not in stderr
+    summary = summary_of(tmp_path)
+    assert summary["interrupted"] is True
+    assert summary["steps"] == checkpoint_of(tmp_path)["global_step"] > 0
+
+
+def test_a_killed_rank_stops_the_other_within_seconds(tmp_path):
+    process = start_long_run(tmp_path)
+    processes = everything_below(process.pid)
+    killed = time.monotonic()
+    os.kill(ranks_of(process.pid)[1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=30)
+    assert time.monotonic() - killed < 10
+    assert wait_until_gone(processes)
+    assert "error: rank 0 lost contact with the other ranks" in stderr
+    assert no_traceback_of_ours(stderr)
+    assert checkpoint_of(tmp_path)["global_step"] > 0  # rank 0 kept the checkpoint of its last finished update
+
+
+def test_resume_under_torchrun_continues_from_the_checkpoint(tmp_path):
+    first = run(*SMALL, "--total-timesteps", 2 * GLOBAL_BATCH, "--run-dir", tmp_path)
+    assert first.returncode == 0, first.stderr
+    new_total = 5 * GLOBAL_BATCH
+    result = run("--resume", tmp_path / "checkpoint.pt", "--total-timesteps", new_total)
+    assert result.returncode == 0, result.stderr
+    assert f"step {new_total:,}/{new_total:,}" in result.stdout
+    resumed = checkpoint_of(tmp_path)
+    assert resumed["global_step"] == new_total and resumed["updates"] == 5
+    assert resumed["optimizer"]["steps"] == 5 * 8 * 2  # Adam went on counting
+    # The last update started at new_total - GLOBAL_BATCH: the schedule follows the global step.
+    assert resumed["optimizer"]["lr"] == pytest.approx(pc.Config().learning_rate * GLOBAL_BATCH / new_total)
+    assert summary_of(tmp_path)["steps"] == new_total
