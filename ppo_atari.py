@@ -77,13 +77,17 @@ class Config:
     # Measured here (2 cores, Breakout, 40,960 steps side by side): 341 steps/s compiled, 304 eager;
     # compiling takes ~4 s once, at start-up (summary.json's warmup_seconds).
     compile: bool = option(True, "torch.compile inference and the update (eager, with a warning, where it cannot)")
+    # reduce-overhead records CUDA graphs: one launch replays a whole forward or backward, which matters on
+    # a GPU where the many small kernels of a batch of 8 would each wait for the CPU. On a CPU it does nothing.
+    compile_mode: str = option("default", "torch.compile mode: default | reduce-overhead (CUDA graphs, for GPUs) | max-autotune")
 
     # Collecting experience.
+    env_backend: str = option("game", "game: the Game class below, in --num-workers processes | ale-vector: ale-py's C++ vector env")
     num_envs: int = option(8, "games played side by side")
     # Measured here (2 cores, 20,480 steps, 3 interleaved rounds): 2 workers 303-376 steps/s (median 359),
     # 0 workers 331-348 (median 347); 1 and 4 workers were no faster in a shorter comparison. The gap
     # is within this machine's noise; 2 lets the games of each worker step in parallel on the two cores.
-    num_workers: int = option(2, "child processes that run the games (0 = in this process)")
+    num_workers: int = option(2, "with --env-backend game: child processes that run the games (0 = in this process)")
     num_steps: int = option(128, "steps per game in each rollout; a rollout is num_envs * num_steps steps")
 
     # The PPO update.
@@ -122,8 +126,9 @@ class Game:
     - Grayscale, 84x84 (WarpFrame): the frames come from the emulator already in grayscale
       (`obs_type="grayscale"`, as gymnasium's AtariPreprocessing and ale-py's vector env read them)
       and are shrunk with area interpolation, which averages pixels instead of dropping them.
-    - Frame stack (FrameStack): the observation is the last 4 pictures, so that speed and direction
-      can be seen; at a (re)start the stack is filled with the first picture.
+    - Frame stack (VecFrameStack): the observation is the last 4 pictures, so that speed and direction
+      can be seen. When a training episode (re)starts, the stack is zeros and the first picture, as in
+      SB3 and ale-py's vector env, so no picture of the episode before leaks into the new one.
     - Life loss ends the training episode (EpisodicLifeEnv): `terminated=True`, so the value of losing
       a life is learned as the end of everything, which helps a lot early on. The game itself goes on.
     - FIRE to start (FireResetEnv): games like Breakout wait for FIRE after a (re)start; the Game
@@ -132,7 +137,7 @@ class Game:
       step size fits games whose points differ by orders of magnitude. `info["episode"]` reports the
       real score, unclipped, summed over all lives, and the game's length in agent steps.
     - No-op starts (NoopResetEnv): after a real reset, 1..30 random NOOP frames, so that the games
-      do not all start from the same picture.
+      do not all start from the same picture (`noop_max=0`: none, for tests that need the exact start).
 
     Observations are uint8 (the model scales them by 1/255): 4 times less memory than float32.
     """
@@ -160,7 +165,7 @@ class Game:
         self.seed = None
         self.previous_frame = self.frame = frame
         self.episode_return, self.episode_length = 0.0, 0
-        for _ in range(self.rng.integers(1, self.noop_max + 1)):
+        for _ in range(self.rng.integers(1, self.noop_max + 1) if self.noop_max else 0):
             self.episode_return += self.raw_step(0)
             if self.game_over:
                 frame, _ = self.env.reset()
@@ -192,7 +197,8 @@ class Game:
                           interpolation=cv2.INTER_AREA)
 
     def restart_stack(self) -> np.ndarray:
-        self.stack[:] = self.picture()
+        self.stack[:-1] = 0
+        self.stack[-1] = self.picture()
         return self.stack.copy()
 
     def press_fire(self):
@@ -221,7 +227,7 @@ class Game:
             obs = self.reset()
         elif life_lost:
             # As EpisodicLifeEnv + FireResetEnv: one NOOP step, then FIRE where the game needs it, and
-            # the next training episode starts from a fresh stack of the current picture.
+            # the next training episode starts from a fresh stack: zeros and the current picture.
             self.episode_return += self.repeat(0)
             if self.needs_fire:
                 self.press_fire()
@@ -368,6 +374,75 @@ class Worker:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+
+
+class VectorGames:
+    """All the games at once in ale-py's own vector env, `ale_py.vector_env.AtariVectorEnv`
+    (`--env-backend ale-vector`). The Game above is the lesson: each step of the preprocessing in
+    Python you can read. This is the engine: the same preprocessing in C++, the games stepped by a pool
+    of threads inside this process, with no child processes and no pipes.
+
+    It is configured to keep the Game's contract: the same grayscale frames, 4-frame repeat with the
+    max of the last two frames before the 84x84 area resize, a stack of zeros and the first picture at
+    a reset, no-op starts, sticky actions as the env id asks, ALE's 108,000-frame limit as truncation,
+    raw rewards (clipped here, so that the real score can be reported), and a life loss reported as a
+    termination (`life_loss_info`) while the game goes on (`episodic_life=False`). With same-step
+    autoreset, an ended game's next observation is already the new game's first.
+
+    What cannot be configured away (tests/test_atari_game.py steps both with the same actions and
+    checks everything else for equality):
+    - FIRE: the vector env presses FIRE for one frame at a reset and never after a life loss; the Game
+      presses FIRE then 2 for 4 frames each, at both (FireResetEnv). Agents learn to press FIRE.
+    - After a life loss the vector env plays on: no NOOP step, and the frame stack goes on through
+      the loss; the Game takes EpisodicLifeEnv's NOOP step and restarts its stack. So here a stack
+      restarts only when a game ends (`restarted`), and the rollout buffer rebuilds stacks that way.
+    - The last observation of a game that ended (`final_obs`) has the same older pictures, but its
+      newest is built from other frames than the Game's (tests: under 5% of its pixels differ; when
+      the repeat is cut short it repeats the picture before). It is read only to bootstrap a game cut
+      by the time limit, at most once per 27,000 steps.
+    - No-op counts are drawn by the vector env's own seeded generator, not the Game's, and points
+      scored during no-ops or FIRE at a reset are not seen (rare; the Game counts them).
+    """
+
+    def __init__(self, env_id: str, seeds: list, obs_out: np.ndarray, noop_max: int = 30):
+        from ale_py.vector_env import AtariVectorEnv
+
+        settings = gym.spec(env_id).kwargs  # the ROM and what the id asks for: sticky actions, frame limit
+        self.env = AtariVectorEnv(
+            settings["game"], len(seeds),
+            repeat_action_probability=settings.get("repeat_action_probability", 0.0),
+            full_action_space=settings.get("full_action_space", False),
+            max_num_frames_per_episode=settings.get("max_num_frames_per_episode", 108_000),
+            frameskip=FRAME_SKIP, stack_num=FRAME_STACK, img_height=FRAME_SIZE, img_width=FRAME_SIZE,
+            grayscale=True, maxpool=True, noop_max=noop_max, use_fire_reset=True,
+            reward_clipping=False, episodic_life=False, life_loss_info=True, autoreset_mode="SameStep")
+        self.obs_out = obs_out
+        obs, info = self.env.reset(seed=np.array(seeds))  # seeds only the first reset
+        obs_out[:] = obs
+        self.lives = info["lives"]
+        self.episode_returns = np.zeros(len(seeds))
+        self.episode_lengths = np.zeros(len(seeds), dtype=np.int64)
+
+    def step(self, actions: np.ndarray):
+        """Step every game; returns what Main.step_envs does."""
+        obs, raw_rewards, terminated, truncated, info = self.env.step(actions)
+        self.obs_out[:] = obs
+        self.episode_returns += raw_rewards
+        self.episode_lengths += 1
+        # A termination is a life loss if the game went on with fewer lives, else the game is over and
+        # the env has already started a new one (with full lives, or 0 again in games without lives).
+        game_over = terminated & (info["lives"] >= self.lives)
+        self.lives = info["lives"]
+        restarted = game_over | truncated
+        final_obs, episodes = {}, {}
+        for i in np.flatnonzero(restarted):
+            final_obs[i] = info["final_obs"][i]  # only an ended game's is real: after a life loss, obs goes on
+            episodes[i] = {"return": float(self.episode_returns[i]), "length": int(self.episode_lengths[i])}
+            self.episode_returns[i], self.episode_lengths[i] = 0.0, 0
+        return np.sign(raw_rewards).astype(np.float32), terminated, truncated, restarted, final_obs, episodes
+
+    def close(self):
+        self.env.close()
 
 
 def orthogonal(layer: nn.Module, gain: float = math.sqrt(2)) -> nn.Module:
@@ -535,7 +610,9 @@ class Main:
         self.config = config
         self.stop_signal = None
         self.workers = []
+        self.vector_games = None
         self.shared_obs = None
+        self.obs_staging = None
 
     def run(self) -> dict:
         if self.config.eval:
@@ -592,8 +669,8 @@ class Main:
         config = self.config
         minibatch_size = config.num_envs * config.num_steps // config.num_minibatches
         try:
-            self.model.forward = torch.compile(eager_forward)
-            self.trainer.compute_loss = torch.compile(eager_loss)
+            self.model.forward = torch.compile(eager_forward, mode=config.compile_mode)
+            self.trainer.compute_loss = torch.compile(eager_loss, mode=config.compile_mode)
             obs = torch.zeros((config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE), dtype=torch.uint8, device=self.device)
             with torch.no_grad():
                 self.model.act(obs)
@@ -609,10 +686,18 @@ class Main:
 
     def start_workers(self):
         """Create the Games: num_workers child processes with num_envs / num_workers Games each (or all
-        Games here with --num-workers 0). Observations land in one uint8 [num_envs, 4, 84, 84] array
-        that the trainer reads as a tensor without copying."""
+        Games here with --num-workers 0), or ale-py's vector env. Observations land in one uint8
+        [num_envs, 4, 84, 84] array that the trainer reads as a tensor without copying."""
         config = self.config
         shape = (config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
+        if self.device.type == "cuda":
+            self.obs_staging = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        if config.env_backend == "ale-vector":
+            self.obs_array = np.zeros(shape, dtype=np.uint8)
+            self.vector_games = VectorGames(config.env, [config.seed + i for i in range(config.num_envs)],
+                                            self.obs_array)
+            self.obs_tensor = torch.from_numpy(self.obs_array)
+            return
         if config.num_workers == 0:
             self.obs_array = np.zeros(shape, dtype=np.uint8)
         else:
@@ -633,10 +718,23 @@ class Main:
             self.shared_obs.unlink()
         self.obs_tensor = torch.from_numpy(self.obs_array)
 
+    def observations(self) -> torch.Tensor:
+        """The games' current observations on the training device. On the CPU that is the array the
+        games write into, without a copy. On a GPU they pass through a page-locked host buffer, which
+        the GPU reads directly and asynchronously (overwriting it next step is safe: `actions.cpu()`
+        in between waits for the GPU)."""
+        if self.obs_staging is None:
+            return self.obs_tensor
+        self.obs_staging.copy_(self.obs_tensor)
+        return self.obs_staging.to(self.device, non_blocking=True)
+
     def stop_workers(self):
         for worker in self.workers:
             worker.close()
         self.workers = []
+        if self.vector_games is not None:
+            self.vector_games.close()
+            self.vector_games = None
         if self.shared_obs is not None:
             self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
             self.shared_obs.close()
@@ -644,8 +742,15 @@ class Main:
 
     def step_envs(self, actions: np.ndarray):
         """Step every game: send all workers their actions first, then collect, so children run in
-        parallel. Returns rewards, terminated, truncated ([num_envs] each) and two dicts keyed by env
-        index: final observations of ended episodes and statistics of ended games."""
+        parallel. Returns rewards, terminated, truncated, restarted ([num_envs] each: `restarted` says
+        whose frame stack starts afresh) and two dicts keyed by env index: final observations of ended
+        episodes and statistics of ended games."""
+        if self.vector_games is not None:
+            return self.vector_games.step(actions)
+        rewards, terminated, truncated, final_obs, episodes = self.step_workers(actions)
+        return rewards, terminated, truncated, terminated | truncated, final_obs, episodes
+
+    def step_workers(self, actions: np.ndarray):
         for worker in self.workers:
             worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
         results = [worker.receive() for worker in self.workers]
@@ -681,7 +786,7 @@ class Main:
         try:
             self.start_workers()
             self.allocate_rollout()
-            next_obs = self.obs_tensor.to(self.device)
+            next_obs = self.observations()
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)
@@ -720,18 +825,25 @@ class Main:
 
         Consecutive observations of a game share 3 of their 4 pictures, so the buffer stores each 84x84
         picture once (the newest of each observation, 7,056 bytes per step instead of 28,224 for the
-        stacks) and rebuilds the stacks of a minibatch by indexing (`stacks`). Only the first step of
-        the rollout keeps its whole stack, whose older pictures come from the rollout before.
+        stacks) and rebuilds the stacks of a minibatch by indexing (`stacks`). `rollout_pictures` has
+        num_steps + 4 rows per game: rows 0-2 hold the 3 older pictures of the rollout's first stack
+        (they come from the rollout before), row 3 + t the newest picture of step t, and the last row
+        stays zeros, the picture before the start of an episode.
         """
-        shape, device = (self.config.num_steps, self.config.num_envs), self.device
-        self.rollout_frames = torch.zeros(shape + (FRAME_SIZE, FRAME_SIZE), dtype=torch.uint8, device=device)
-        self.rollout_first_stacks = torch.zeros((self.config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE),
-                                                dtype=torch.uint8, device=device)
+        config, device = self.config, self.device
+        shape = (config.num_steps, config.num_envs)
+        self.rollout_pictures = torch.zeros((config.num_steps + FRAME_STACK, config.num_envs, FRAME_SIZE, FRAME_SIZE),
+                                            dtype=torch.uint8, device=device)
         self.rollout_actions = torch.zeros(shape, dtype=torch.long, device=device)
         self.rollout_log_probs = torch.zeros(shape, device=device)
         self.rollout_values = torch.zeros(shape, device=device)
-        self.rollout_rewards = torch.zeros(shape, device=device)
-        self.rollout_dones = torch.zeros(shape, device=device)
+        # What the games return stays on the host during the rollout (page-locked on a GPU) and moves to
+        # the device once per update: one copy each, instead of three small copies per step.
+        pinned = device.type == "cuda"
+        self.rollout_rewards = torch.zeros(shape, pin_memory=pinned)
+        self.rollout_dones = torch.zeros(shape, pin_memory=pinned)
+        # The stack restarted after step t (with the Game, at every done; see VectorGames for the other).
+        self.rollout_restarts = torch.zeros(shape, dtype=torch.bool, pin_memory=pinned)
 
     def anneal_learning_rate(self):
         """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the end,
@@ -750,24 +862,24 @@ class Main:
             if self.stop_signal is not None:
                 raise Interrupted
             if step == 0:
-                self.rollout_first_stacks.copy_(next_obs)
-            self.rollout_frames[step] = next_obs[:, -1]
+                self.rollout_pictures[:FRAME_STACK - 1] = next_obs[:, :-1].transpose(0, 1)
+            self.rollout_pictures[FRAME_STACK - 1 + step] = next_obs[:, -1]
             actions, log_prob, value = self.model.act(next_obs)
             self.rollout_actions[step] = actions
             self.rollout_log_probs[step] = log_prob
             self.rollout_values[step] = value
-            rewards, terminated, truncated, final_obs, episodes = self.step_envs(actions.cpu().numpy())
-            next_obs = self.obs_tensor.to(self.device)
-            rewards = torch.from_numpy(rewards).to(self.device)
+            rewards, terminated, truncated, restarted, final_obs, episodes = self.step_envs(actions.cpu().numpy())
+            next_obs = self.observations()
             # Truncation is not death: an episode cut by a time limit would have gone on, so its last
             # reward gets the value of where it stood, gamma * V(final observation), added. Then the
             # done flag below can cut GAE's sum for both kinds of endings (see compute_gae).
             cut = [i for i in final_obs if truncated[i] and not terminated[i]]
             if cut:
                 cut_obs = torch.from_numpy(np.stack([final_obs[i] for i in cut])).to(self.device)
-                rewards[cut] += config.gamma * self.model.value(cut_obs)
-            self.rollout_rewards[step] = rewards
-            self.rollout_dones[step] = torch.from_numpy(terminated | truncated).to(self.device)
+                rewards[cut] += config.gamma * self.model.value(cut_obs).cpu().numpy()
+            self.rollout_rewards[step] = torch.from_numpy(rewards)
+            self.rollout_dones[step] = torch.from_numpy(terminated | truncated)
+            self.rollout_restarts[step] = torch.from_numpy(restarted)
             self.global_step += config.num_envs
             for episode in episodes.values():
                 self.record_episode(episode)
@@ -791,8 +903,9 @@ class Main:
         config = self.config
         with torch.no_grad():
             last_value = self.model.value(next_obs)
-        advantages = compute_gae(self.rollout_rewards, self.rollout_values, self.rollout_dones, last_value,
-                                 config.gamma, config.gae_lambda)
+        # (non_blocking: the host buffers are not written again before this update's results are read)
+        rewards, dones = (tensor.to(self.device, non_blocking=True) for tensor in (self.rollout_rewards, self.rollout_dones))
+        advantages = compute_gae(rewards, self.rollout_values, dones, last_value, config.gamma, config.gae_lambda)
         returns = advantages + self.rollout_values
         self.find_episode_starts()
         batch = (self.rollout_actions.flatten(), self.rollout_log_probs.flatten(), advantages.flatten(),
@@ -821,26 +934,29 @@ class Main:
         return stats
 
     def find_episode_starts(self):
-        """For each step and env, the step at which its training episode started within this rollout
-        (-num_steps when it started before). A stack never reaches back past its episode's start: the
-        Game fills a new episode's stack with its first picture."""
-        num_steps = self.config.num_steps
-        step_index = torch.arange(num_steps, device=self.device)[:, None].expand_as(self.rollout_dones)
-        started = torch.zeros_like(self.rollout_dones, dtype=torch.bool)
-        started[1:] = self.rollout_dones[:-1] > 0  # an episode that ended at step t-1 restarted at step t
-        self.episode_starts = torch.where(started, step_index, -num_steps).cummax(dim=0).values
+        """For each step and env, the step at which its stack last restarted within this rollout
+        (-4 when it restarted before: the rollout's first stack already holds what it needs). A stack
+        never reaches back past its restart: a restarted stack is zeros and the first picture."""
+        restarts = self.rollout_restarts.to(self.device, non_blocking=True)
+        step_index = torch.arange(self.config.num_steps, device=self.device)[:, None].expand_as(restarts)
+        started = torch.zeros_like(restarts)
+        started[1:] = restarts[:-1]  # a stack that restarted after step t-1 starts at step t
+        self.episode_starts = torch.where(started, step_index, -FRAME_STACK).cummax(dim=0).values
 
     def stacks(self, indices: torch.Tensor) -> torch.Tensor:
         """The observations [batch, 4, 84, 84] of flat rollout indices (step * num_envs + env), rebuilt
         from the stored pictures exactly as the Game built them."""
-        steps, envs = indices // self.config.num_envs, indices % self.config.num_envs
-        # Picture k of the stack at step t is the newest picture of step t - 3 + k, but no earlier than
-        # the episode's first step; before step 0 it is in the stack kept for step 0.
+        num_envs = self.config.num_envs
+        steps, envs = indices // num_envs, indices % num_envs
+        # Picture k of the stack at step t is the newest picture of step t - 3 + k, in row t + k of
+        # rollout_pictures; a picture from before the stack's restart is the zero picture (last row).
         sources = steps[:, None] - (FRAME_STACK - 1) + torch.arange(FRAME_STACK, device=self.device)
-        sources = torch.maximum(sources, self.episode_starts[steps, envs][:, None])
-        from_rollout = self.rollout_frames[sources.clamp(min=0), envs[:, None]]
-        from_first = self.rollout_first_stacks[envs[:, None], (sources + FRAME_STACK - 1).clamp(max=FRAME_STACK - 1)]
-        return torch.where((sources >= 0)[:, :, None, None], from_rollout, from_first)
+        rows = torch.where(sources >= self.episode_starts[steps, envs][:, None], sources + FRAME_STACK - 1,
+                           len(self.rollout_pictures) - 1)
+        # One gather of whole 84x84 pictures from the buffer seen as a list of pictures.
+        pictures = self.rollout_pictures.view(-1, FRAME_SIZE, FRAME_SIZE)
+        return pictures.index_select(0, (rows * num_envs + envs[:, None]).flatten()).view(
+            len(indices), FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
 
     # ----- logging, checkpoints, summary -----------------------------------------------------------
 
@@ -1001,6 +1117,10 @@ def check_settings(config: Config):
                  "checkpoint_every"):
         if getattr(config, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+    if config.compile_mode not in ("default", "reduce-overhead", "max-autotune"):
+        raise UsageError(f"unknown --compile-mode {config.compile_mode!r}: use default, reduce-overhead or max-autotune")
+    if config.env_backend not in ("game", "ale-vector"):
+        raise UsageError(f"unknown --env-backend {config.env_backend!r}: use game or ale-vector")
     if config.num_workers < 0:
         raise UsageError(f"--num-workers must be 0 (games in this process) or more, not {config.num_workers}")
     if config.num_workers and config.num_envs % config.num_workers:

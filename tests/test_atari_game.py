@@ -3,7 +3,7 @@
 The Game's pictures are compared with frames read from a second, independent `ale_py.ALEInterface`
 that starts from the Game's own emulator state (cloned at each `env.reset`) and is driven by the
 protocol the Game documents (no-ops, FIRE then 2, 4-frame repeat, max of the last two frames, 84x84
-area resize, 4-frame stack, NOOP + FIRE + 2 after a life loss). Everything the Game sends to the
+area resize, 4-frame stack restarted as zeros and the first picture, NOOP + FIRE + 2 after a life loss). Everything the Game sends to the
 emulator is recorded by wrapping its `env.step` and `env.reset`.
 """
 import math
@@ -11,6 +11,7 @@ from multiprocessing import shared_memory
 
 import ale_py
 import cv2
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -72,6 +73,11 @@ def shrink(previous_frame, frame):
     return cv2.resize(np.maximum(previous_frame, frame), (84, 84), interpolation=cv2.INTER_AREA)
 
 
+def fresh_stack(picture):
+    """The stack at the start of a training episode: three zero pictures, then the first picture."""
+    return np.stack([np.zeros_like(picture)] * 3 + [picture])
+
+
 class ReferenceALE:
     """A second emulator, independent of the Game's, started from a cloned state."""
 
@@ -131,7 +137,7 @@ def test_pictures_match_an_independent_emulator(env_id, sticky):
             reference.act(0, 1)
         reference.act(1, 4)
         reference.act(2, 4)
-        return np.stack([reference.picture()] * 4)
+        return fresh_stack(reference.picture())
 
     obs = game.reset()
     assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8
@@ -160,7 +166,7 @@ def test_pictures_match_an_independent_emulator(env_id, sticky):
             reference.act(0, 4)  # EpisodicLifeEnv's NOOP step, then FireResetEnv's FIRE and 2
             reference.act(1, 4)
             reference.act(2, 4)
-            np.testing.assert_array_equal(obs, np.stack([reference.picture()] * 4))
+            np.testing.assert_array_equal(obs, fresh_stack(reference.picture()))
         else:
             shifts += 1
             assert not terminated and info == {}
@@ -288,8 +294,8 @@ def test_life_loss_ends_the_training_episode_but_not_the_game():
     assert game.ale.lives() == lives - 1
     assert sum(e[0] == "reset" for e in recorder.events) == resets
     assert game.ale.getEpisodeFrameNumber() == frame_number + 16
-    # a new training episode: the stack restarts from one picture
-    assert all(np.array_equal(obs[i], obs[0]) for i in range(4))
+    # a new training episode: the stack restarts from zeros and one picture
+    assert not obs[:3].any() and obs[3].any()
     assert reward in (-1.0, 0.0, 1.0)
     # and the next step shifts again
     next_obs, _, terminated, _, _ = game.step(0)
@@ -325,7 +331,7 @@ def test_game_over_reports_the_episode_and_starts_a_new_game():
     assert [e[3] for e in frames] == [False] * (len(frames) - 1) + [True]
     # ...and the observation is the first of a new game, with all its lives, after no-ops and FIRE
     assert game.ale.lives() == 5
-    assert all(np.array_equal(obs[i], obs[0]) for i in range(4))
+    assert not obs[:3].any() and obs[3].any()  # a fresh stack: zeros and the first picture
     assert game.ale.getEpisodeFrameNumber() == len(events) - reset_at - 1  # frames since the reset
     assert not np.array_equal(info["final_obs"][-1], obs[-1])
     game.close()
@@ -536,6 +542,96 @@ def test_worker_in_a_child_process_matches_in_process():
 
 
 # ----- 9. Model --------------------------------------------------------------------------------------------
+
+
+# ----- 9. the ale-vector backend against the Game ------------------------------------------------------
+
+
+def play_both(env_id: str, steps: int, seed: int = 4, stop_at_life_loss: bool = False):
+    """Step a Game and a one-game VectorGames with the same random actions, no-ops off (sticky actions
+    are off in *NoFrameskip-v4 ids), and check that they agree on everything the trainer reads.
+    Returns the counts of training episodes and games that ended, and, with `stop_at_life_loss`, the
+    last results of both at the first life loss."""
+    game = pa.Game(env_id, seed, noop_max=0)
+    obs_out = np.zeros((1, 4, 84, 84), dtype=np.uint8)
+    vector = pa.VectorGames(env_id, [seed], obs_out, noop_max=0)
+    obs = game.reset()
+    np.testing.assert_array_equal(obs_out[0], obs)
+    rng = np.random.default_rng(seed)
+    dones = games = 0
+    for t in range(steps):
+        action = int(rng.integers(game.env.action_space.n))
+        previous = obs_out[0].copy()
+        obs, reward, terminated, truncated, info = game.step(action)
+        rewards, terminated_v, truncated_v, restarted, final_obs, episodes = vector.step(np.array([action]))
+        assert (reward, terminated, truncated) == (rewards[0], terminated_v[0], truncated_v[0]), f"step {t}"
+        life_lost = terminated and "episode" not in info
+        if life_lost and stop_at_life_loss:
+            vector.close()
+            return previous, (obs, info), (obs_out[0].copy(), restarted[0], episodes)
+        assert not life_lost, f"step {t}: a life loss, which this comparison cannot follow"
+        np.testing.assert_array_equal(obs_out[0], obs, err_msg=f"step {t}")
+        assert restarted[0] == (terminated or truncated)
+        assert ("episode" in info) == (0 in episodes)
+        if "episode" in info:
+            assert episodes[0] == info["episode"]
+            # The named difference at the end of a game: the 3 older pictures agree, the newest is the
+            # vector env's own (built from other frames); it shows the same moment, a few pixels apart.
+            np.testing.assert_array_equal(final_obs[0][:3], info["final_obs"][:3])
+            assert np.mean(final_obs[0][3] != info["final_obs"][3]) < 0.05
+            games += 1
+        dones += terminated or truncated
+    vector.close()
+    game.close()
+    return dones, games
+
+
+def test_vector_env_equals_the_game_over_a_whole_game():
+    # Freeway: no lives and no FIRE, so nothing of the two named differences applies; a game lasts
+    # 2 min 16 s, 2,048 agent steps, and ends by game over.
+    dones, games = play_both("FreewayNoFrameskip-v4", 2_100)
+    assert games == 1 and dones == 1
+
+
+def test_vector_env_equals_the_game_at_the_time_limit():
+    # The same game under a 402-frame limit: truncation falls in the middle of a 4-frame repeat.
+    spec = gym.spec("FreewayNoFrameskip-v4")
+    gym.register("TestFreewayShort-v4", entry_point=spec.entry_point,
+                 kwargs={**spec.kwargs, "max_num_frames_per_episode": 402})
+    try:
+        dones, games = play_both("TestFreewayShort-v4", 250)
+    finally:
+        gym.registry.pop("TestFreewayShort-v4")
+    assert games == 2 and dones == 2
+
+
+def test_after_a_life_loss_the_vector_env_plays_on_where_the_game_restarts():
+    # The named difference (VectorGames' docstring): both report the life loss as a termination and
+    # agree up to it; then the Game takes a NOOP step and restarts its stack, the vector env does not.
+    previous, (game_obs, game_info), (vector_obs, restarted, episodes) = play_both(
+        "MsPacmanNoFrameskip-v4", 2_000, stop_at_life_loss=True)
+    np.testing.assert_array_equal(game_info["final_obs"], vector_obs)  # the same picture of the loss
+    np.testing.assert_array_equal(vector_obs[:-1], previous[1:])  # the vector env's stack goes on...
+    assert not restarted and not episodes  # ...and the game is not over
+    assert not game_obs[:3].any()  # the Game's stack restarts: zeros and the picture after the NOOP step
+
+
+def test_the_vector_env_presses_fire_for_one_frame_at_a_reset():
+    # The other named difference: the Game presses FIRE then 2 for 4 frames each (FireResetEnv).
+    obs_out = np.zeros((1, 4, 84, 84), dtype=np.uint8)
+    vector = pa.VectorGames(BREAKOUT, [5], obs_out, noop_max=0)
+    reference = ReferenceALE("breakout", 0.0)
+    reference.ale.setInt("random_seed", 5)
+    reference.ale.loadROM(ale_py.roms.get_rom_path("breakout"))
+    reference.restore(reference.ale.cloneState(include_rng=True))
+    reference.act(1, 1)
+    np.testing.assert_array_equal(obs_out[0], fresh_stack(shrink(reference.frame, reference.frame)))
+    game = pa.Game(BREAKOUT, 5, noop_max=0)
+    recorder = Recorder(game)
+    game.reset()
+    assert Recorder.actions(recorder.events) == [1] * 4 + [2] * 4
+    vector.close()
+    game.close()
 
 
 def test_model_shapes_and_uint8_input_scaled_inside():

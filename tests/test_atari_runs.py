@@ -125,13 +125,14 @@ def prepared_main(tmp_path, **settings):
     return main
 
 
-def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundaries(tmp_path):
-    main = prepared_main(tmp_path, num_envs=2, num_steps=100)
+@pytest.mark.parametrize("backend", ["game", "ale-vector"])  # ale-vector: stacks go on through a life loss
+def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundaries(tmp_path, backend):
+    main = prepared_main(tmp_path, num_envs=2, num_steps=100, env_backend=backend)
     seen = []
     act = main.model.act
     main.model.act = lambda obs, greedy=False: (seen.append(obs.clone()), act(obs, greedy))[1]
     next_obs = main.obs_tensor
-    boundaries = 0
+    boundaries = restarts = 0
     for rollout in range(3):  # the later rollouts start from stacks that reach into the one before
         seen.clear()
         next_obs = main.collect_rollout(next_obs)
@@ -139,9 +140,15 @@ def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundarie
         rebuilt = main.stacks(torch.arange(100 * 2))
         assert torch.equal(rebuilt, torch.stack(seen).flatten(0, 1)), f"rollout {rollout}"
         boundaries += int(main.rollout_dones.sum())
+        restarts += int(main.rollout_restarts.sum())
     main.stop_workers()
     main.writer.close()
-    assert boundaries >= 4  # random Breakout play loses a life every few dozen steps
+    assert boundaries >= 4  # random Breakout play loses a life every few dozen steps...
+    assert restarts >= 1  # ...and a game every 150 or so
+    if backend == "game":
+        assert restarts == boundaries  # every training episode restarts the stack
+    else:
+        assert restarts < boundaries  # only a game over does
 
 
 def test_the_rollout_buffer_stores_each_picture_once(tmp_path):
