@@ -50,8 +50,9 @@ only the rollout buffer differs. Each runs inside a fresh wrapper process (`--_r
 executes the script with `runpy` and reports its own peak resident set size (`ru_maxrss` of
 `RUSAGE_SELF`: the trainer process, which holds the rollout buffer; the game workers are separate
 processes and not counted). The result is the difference of the peaks divided by the difference of
-the stored steps (16 x 1920): bytes per extra stored step. The rollout buffer alone holds 28,248 bytes
-per step (a uint8 4x84x84 observation, an int64 action and four float32s).
+the stored steps (16 x 1920): bytes per extra stored step. The rollout buffer alone holds 7,081 bytes
+per step (one uint8 84x84 picture, an int64 action, four float32s and a bool), plus 4 pictures per
+game for the stacks' older pictures and the zero picture.
 
 How to run it (from the repository root)
 ----------------------------------------
@@ -87,7 +88,9 @@ OUR_SCRIPT = REPO_ROOT / "ppo_atari.py"
 DEFAULT_ENV = "BreakoutNoFrameskip-v4"
 WINDOW = 100  # games in the mean return reported in the JSON (a sanity check, not a speed)
 PACKAGES = ("torch", "gymnasium", "ale-py", "stable-baselines3")  # whose versions the report names
-ROLLOUT_BYTES_PER_STEP = 4 * 84 * 84 + 8 + 4 * 4  # obs uint8, action int64, log-prob/value/reward/done float32
+# What ppo_atari.py's rollout buffer holds per stored step: one uint8 84x84 picture, an int64 action,
+# float32 log-prob, value, reward and done, a bool restart flag (plus 4 pictures per game, not per step).
+ROLLOUT_BYTES_PER_STEP = 84 * 84 + 8 + 4 * 4 + 1
 
 # The shared hyperparameters (the PPO paper's Atari settings, ppo_atari.py's defaults).
 NUM_ENVS, NUM_STEPS, BATCH_SIZE, EPOCHS = 8, 128, 256, 4

@@ -160,6 +160,44 @@ def test_the_rollout_buffer_stores_each_picture_once(tmp_path):
     main.writer.close()
 
 
+def test_an_update_is_a_clipped_gradient_step_of_adam_with_eps_1e_5():
+    # Two Trainer.update calls against the textbook: the gradient of compute_loss, scaled to a global
+    # norm of at most max_grad_norm, then Adam (beta 0.9, 0.999, eps 1e-5, bias-corrected).
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(2)
+    batch = 16
+    minibatch = (torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, generator=generator),
+                 torch.randint(0, 4, (batch,), generator=generator),
+                 *(torch.randn(batch, generator=generator) for _ in range(4)))
+    config = pa.Config(learning_rate=1e-3, max_grad_norm=0.5)
+    model = pa.Model(num_actions=4)
+    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+    first, second = {name: torch.zeros_like(p) for name, p in reference.items()}, {name: torch.zeros_like(p) for name, p in reference.items()}
+    trainer = pa.Trainer(model, config)
+    clipped = 0
+    for step in (1, 2):
+        reference_model = pa.Model(num_actions=4)
+        reference_model.load_state_dict(reference)
+        loss, _ = pa.Trainer(reference_model, config).compute_loss(*minibatch)
+        grads = dict(zip(reference, torch.autograd.grad(loss, list(reference_model.parameters()))))
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
+        scale = min(1.0, config.max_grad_norm / (float(norm) + 1e-6))
+        clipped += scale < 1.0
+        for name, g in grads.items():
+            g = g * scale
+            first[name] = 0.9 * first[name] + 0.1 * g
+            second[name] = 0.999 * second[name] + 0.001 * g ** 2
+            step_size = config.learning_rate / (1 - 0.9 ** step)
+            denominator = (second[name] / (1 - 0.999 ** step)).sqrt() + 1e-5
+            reference[name] = reference[name] - step_size * first[name] / denominator
+        trainer.update(*minibatch)
+    assert clipped >= 1  # the clip was exercised
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.detach(), reference[name], rtol=1e-4, atol=1e-6), name
+    # eps matters here: with 1e-8 the smallest gradients would move their weights visibly further
+    assert any(float(second[name].min().sqrt()) < 1e-4 for name in second)
+
+
 def test_compiled_and_eager_updates_give_the_same_loss_and_gradients():
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)

@@ -82,19 +82,33 @@ def wait_until_gone(pids, seconds=10.0):
     return True
 
 
-def start_long_run(run_dir):
-    """A long 2-rank run, each rank with 2 worker processes, in its own process group (as a terminal starts
-    it); returns once rank 0 has written its first checkpoint."""
-    process = subprocess.Popen(
-        torchrun(*SMALL, "--num-workers", 2, "--total-timesteps", 10 ** 8, "--checkpoint-every", GLOBAL_BATCH,
-                 "--run-dir", run_dir),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not (run_dir / "checkpoint.pt").exists():
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "no checkpoint within 60 s"
-        time.sleep(0.1)
-    return process
+@pytest.fixture
+def start_long_run():
+    """Starts a long 2-rank run, each rank with 2 worker processes, in its own process group (as a terminal
+    starts it), and returns once rank 0 has written its first checkpoint. Whatever the test's outcome, the
+    whole group is killed at the end, so that a failing test leaves no run behind."""
+    started = []
+
+    def start(run_dir):
+        process = subprocess.Popen(
+            torchrun(*SMALL, "--num-workers", 2, "--total-timesteps", 10 ** 8, "--checkpoint-every", GLOBAL_BATCH,
+                     "--run-dir", run_dir),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        started.append(process)
+        deadline = time.monotonic() + 60
+        while not (run_dir / "checkpoint.pt").exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.1)
+        return process
+
+    yield start
+    for process in started:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the ranks and their workers share torchrun's group
+        except ProcessLookupError:
+            pass
+        process.communicate()
 
 
 def test_two_ranks_train_one_network_and_count_the_steps_of_both(tmp_path):
@@ -164,7 +178,7 @@ def test_target_kl_stops_the_epochs_of_all_ranks_together(tmp_path):
     assert checkpoint["optimizer"]["steps"] < 10 * 8 * 2  # some updates did stop early
 
 
-def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_leaves_no_process(tmp_path):
+def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_leaves_no_process(tmp_path, start_long_run):
     process = start_long_run(tmp_path)
     assert sorted(ranks_of(process.pid)) == [0, 1]
     processes = everything_below(process.pid)
@@ -178,7 +192,7 @@ def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_leaves_no_process(tmp_pat
     assert summary["steps"] == checkpoint_of(tmp_path)["global_step"] > 0
 
 
-def test_a_signal_to_one_rank_stops_all_ranks_together(tmp_path):
+def test_a_signal_to_one_rank_stops_all_ranks_together(tmp_path, start_long_run):
     # SIGTERM to rank 1 alone (as a scheduler might send it on one machine): rank 0 learns of it at the next
     # meeting of the ranks, and both stop after the same rollout. Had rank 1 stopped alone, rank 0 would wait.
     process = start_long_run(tmp_path)
@@ -192,7 +206,7 @@ def test_a_signal_to_one_rank_stops_all_ranks_together(tmp_path):
     assert summary["steps"] == checkpoint_of(tmp_path)["global_step"] > 0
 
 
-def test_a_killed_rank_stops_the_other_within_seconds(tmp_path):
+def test_a_killed_rank_stops_the_other_within_seconds(tmp_path, start_long_run):
     process = start_long_run(tmp_path)
     processes = everything_below(process.pid)
     killed = time.monotonic()
