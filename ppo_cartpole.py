@@ -840,6 +840,7 @@ class Main:
         checkpoint = load_checkpoint(config.resume) if config.resume else None
         if checkpoint is not None:
             config = resumed_config(checkpoint, config)
+        self.start_time = time.perf_counter()  # setup counts: it holds the compilation, if any
         self.setup(config, checkpoint)
         config = self.config
         self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None  # rank 0 logs for all
@@ -847,7 +848,6 @@ class Main:
         self.episodes = 0
         self.solved_step = self.solved_seconds = None
         self.interrupted = False
-        self.start_time = time.perf_counter()
         self.first_update_end = None  # (time, step) once the first update is done
         self.last_print = 0.0
         self.checkpoint_path = self.run_dir / "checkpoint.pt"

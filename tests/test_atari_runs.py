@@ -79,16 +79,19 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
     assert frame.std() > 0  # a picture, not a blank frame
 
 
-def test_same_seed_same_weights_in_process_and_in_workers(tmp_path):
+def test_same_seed_same_weights_in_process_and_in_workers_and_with_the_vector_env(tmp_path):
     weights = {}
-    for name, workers in (("a", 0), ("b", 0), ("c", 2)):
+    for name, backend, workers in (("a", "game", 0), ("b", "game", 0), ("c", "game", 2),
+                                   ("d", "ale-vector", 0), ("e", "ale-vector", 0)):
         config = pa.Config(seed=5, total_timesteps=128, num_envs=2, num_steps=64, num_minibatches=2,
-                           num_workers=workers, compile=False, run_dir=str(tmp_path / name))
+                           num_workers=workers, env_backend=backend, compile=False, run_dir=str(tmp_path / name))
         pa.Main(config).run()
         weights[name] = torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"]
     for key in weights["a"]:
         assert torch.equal(weights["a"][key], weights["b"][key]), key
         assert torch.equal(weights["a"][key], weights["c"][key]), key
+        assert torch.equal(weights["d"][key], weights["e"][key]), key  # the vector env's threads: still repeatable
+    assert not all(torch.equal(weights["a"][key], weights["d"][key]) for key in weights["a"])  # other games
 
 
 @pytest.mark.parametrize("args,message", [
@@ -96,6 +99,8 @@ def test_same_seed_same_weights_in_process_and_in_workers(tmp_path):
     (["--env", "CartPole-v1"], "CartPole-v1 is not an Atari game: use ppo_cartpole.py"),
     (["--num-envs", "0"], "--num-envs must be positive"),
     (["--num-workers", "3"], "--num-workers 3 must divide --num-envs 8"),
+    (["--precision", "float16"], "unknown --precision 'float16': use float32 or bfloat16"),
+    (["--env-backend", "envpool"], "unknown --env-backend 'envpool': use game or ale-vector"),
     (["--eval", "no/such.pt"], "checkpoint no/such.pt not found"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, tmp_path):
@@ -196,6 +201,20 @@ def test_an_update_is_a_clipped_gradient_step_of_adam_with_eps_1e_5():
         assert torch.allclose(p.detach(), reference[name], rtol=1e-4, atol=1e-6), name
     # eps matters here: with 1e-8 the smallest gradients would move their weights visibly further
     assert any(float(second[name].min().sqrt()) < 1e-4 for name in second)
+
+
+def test_bfloat16_rounds_the_body_but_keeps_float32_heads_weights_and_gradients():
+    torch.manual_seed(0)
+    obs = torch.randint(0, 256, (16, 4, 84, 84), dtype=torch.uint8)
+    exact, rounded = pa.Model(num_actions=4), pa.Model(num_actions=4, bfloat16=True)
+    rounded.load_state_dict(exact.state_dict())
+    (logits, values), (logits_bf16, values_bf16) = exact(obs), rounded(obs)
+    assert logits_bf16.dtype == values_bf16.dtype == torch.float32
+    assert not torch.equal(values, values_bf16)  # the body did run in bfloat16...
+    assert torch.allclose(values, values_bf16, rtol=0.05, atol=0.05)  # ...to about 3 significant digits
+    assert torch.allclose(logits, logits_bf16, rtol=0.05, atol=1e-3)
+    values_bf16.sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in rounded.parameters() if p.grad is not None)
 
 
 def test_compiled_and_eager_updates_give_the_same_loss_and_gradients():

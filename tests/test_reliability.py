@@ -17,10 +17,12 @@ import ppo_atari as pa
 import ppo_cartpole as pc
 from conftest import ROOT
 
-# Small runs of each script: 2 workers, a batch of 128 (cartpole) or 64 (atari) steps.
+# Small runs of each script: 2 workers, a batch of 128 (cartpole) or 64 (atari) steps. Atari runs its
+# Games in worker processes here (--env-backend game): their faults are what these tests inject.
 SMALL = {
     "ppo_cartpole": ["--num-envs", 8, "--num-steps", 16, "--num-workers", 2, "--num-minibatches", 2],
-    "ppo_atari": ["--num-envs", 2, "--num-steps", 32, "--num-workers", 2, "--num-minibatches", 2],
+    "ppo_atari": ["--num-envs", 2, "--num-steps", 32, "--num-workers", 2, "--num-minibatches", 2,
+                  "--env-backend", "game"],
 }
 BATCH = {"ppo_cartpole": 8 * 16, "ppo_atari": 2 * 32}
 MODULES = {"ppo_cartpole": pc, "ppo_atari": pa}
@@ -179,7 +181,7 @@ def test_an_atari_game_that_raises_in_a_worker_names_the_worker_the_env_and_the_
 
     monkeypatch.setattr(pa.Game, "step", step_then_fail)  # forked workers inherit the patch
     config = pa.Config(num_envs=2, num_workers=2, num_steps=32, num_minibatches=2, compile=False,
-                       run_dir=str(tmp_path))
+                       env_backend="game", run_dir=str(tmp_path))
     with pytest.raises(pa.WorkerError,
                        match=r"worker \d \(BreakoutNoFrameskip-v4\) failed: ValueError: emulator fault"):
         pa.Main(config).run()
@@ -211,6 +213,16 @@ def test_ctrl_c_saves_and_resume_continues_the_schedule(script, tmp_path):
     expected_lr = learning_rate * (1 - (new_total - BATCH[script]) / new_total)
     saved_lr = resumed["optimizer"]["lr"] if script == "ppo_cartpole" else resumed["optimizer"]["param_groups"][0]["lr"]
     assert saved_lr == pytest.approx(expected_lr)
+
+
+def test_ctrl_c_with_the_ale_vector_backend_saves_and_leaves_no_thread_running(tmp_path):
+    process = start_script("ppo_atari", tmp_path / "run", "--env-backend", "ale-vector")
+    os.killpg(process.pid, signal.SIGINT)
+    process.communicate(timeout=30)  # the vector env's threads live in the trainer: it must exit, not hang
+    assert process.returncode == 128 + signal.SIGINT
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    assert summary["steps"] == torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global_step"] > 0
 
 
 def test_sigterm_to_the_trainer_alone_saves_too(tmp_path):
