@@ -14,6 +14,7 @@ DeepMind's DQN (Mnih et al., 2015) and the implementation details of CleanRL and
 5. `Main`    - the loop: rollout, GAE, epochs of minibatches, logging, checkpoints, evaluation.
 
 Run it:      python ppo_atari.py --env BreakoutNoFrameskip-v4     (--help lists every flag)
+On N GPUs:   torchrun --standalone --nproc_per_node N ppo_atari.py     (data parallel: see `Ranks`)
 In a notebook:  from ppo_atari import Config, Main; Main(Config(total_timesteps=50_000)).run()
 10M steps take hours even on a GPU; on a 2-core CPU they take days (see README).
 """
@@ -22,6 +23,7 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import multiprocessing
@@ -43,6 +45,7 @@ import cv2
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 import torch.nn as nn
 
 SCRIPT = "ppo_atari"
@@ -63,8 +66,8 @@ class Config:
 
     # The game and the run.
     env: str = option("BreakoutNoFrameskip-v4", "Atari game id: *NoFrameskip-v4 or ALE/*-v5")
-    seed: int = option(1, "seeds python, numpy, torch and every game (game i gets seed + i)")
-    total_timesteps: int = option(10_000_000, "agent steps over all games (one step = 4 frames)")
+    seed: int = option(1, "seeds python, numpy, torch and every game (game i of rank r gets seed + r * num_envs + i)")
+    total_timesteps: int = option(10_000_000, "agent steps over all games (of all ranks, under torchrun; one step = 4 frames)")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
     run_dir: typing.Optional[str] = option(None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
     target_return: typing.Optional[float] = option(None, "stop once the mean score of the last 100 games reaches this")
@@ -88,7 +91,7 @@ class Config:
     # Measured here (2 cores, Breakout, 40,960 steps side by side, compiled): ale-vector 478 steps/s, the
     # Game in 2 workers 360. tests/test_atari_game.py checks that both play the same games (VectorGames).
     env_backend: str = option("ale-vector", "ale-vector: ale-py's C++ vector env | game: the Game class below, in --num-workers processes")
-    num_envs: int = option(8, "games played side by side")
+    num_envs: int = option(8, "games played side by side (by each rank, under torchrun)")
     # Measured here (2 cores, 20,480 steps, 3 interleaved rounds): 2 workers 303-376 steps/s (median 359),
     # 0 workers 331-348 (median 347); 1 and 4 workers were no faster in a shorter comparison. The gap
     # is within this machine's noise; 2 lets the games of each worker step in parallel on the two cores.
@@ -541,12 +544,143 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     return advantages
 
 
+class RankError(RuntimeError):
+    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ at the end."""
+
+
+class Ranks:
+    """The processes ("ranks") of one run started by torchrun, and the few things they do together.
+
+    `torchrun --nproc_per_node N ppo_atari.py ...` (or any torch.distributed launcher, over several
+    machines too) starts N copies of this script and tells each its rank and the world size in the
+    environment (RANK, WORLD_SIZE, LOCAL_RANK). This is data parallelism, as in CleanRL's multi-GPU PPO
+    (ppo_atari_multigpu.py): each rank plays its own --num-envs games (game i of rank r gets seed + r *
+    num_envs + i, with either --env-backend), collects its own rollout and splits it into its own
+    --num-minibatches; but before each gradient step the ranks average their gradients, so all take the
+    same step and hold the same weights.
+    - The global batch of an update is world_size x num_envs x num_steps steps. --total-timesteps, the
+      learning-rate schedule and --checkpoint-every count the steps of all ranks.
+    - A gradient step sees world_size x (num_envs x num_steps / num_minibatches) samples, and an update still
+      takes update_epochs x num_minibatches steps.
+    - To keep the hyperparameters of a 1-GPU run equivalent on N GPUs, divide --num-envs by N: the same
+      global batch, minibatches and steps, in 1/N of the time. Keeping --num-envs makes the batch and the
+      minibatches N times larger, and the run N times fewer updates for the same --total-timesteps.
+    Every decision to stop (Ctrl-C, --target-return, --target-kl, a non-finite loss) is taken from values
+    all ranks share, so no rank waits in a collective the others skipped. Only rank 0 writes files.
+
+    Without torchrun it is a world of one: no process group, and every method returns at once, so a run
+    alone is exactly what it was before this class existed.
+    """
+
+    def __init__(self, device: torch.device):
+        self.distributed = "WORLD_SIZE" in os.environ  # set by torchrun
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        self.device = device
+        if not self.distributed:
+            return
+        if device.type == "cuda":  # one GPU per rank: the LOCAL_RANK-th of its machine
+            local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+            if local_rank >= gpus:
+                raise UsageError(f"rank {self.rank} wants GPU {local_rank}, but its machine has {gpus}: "
+                                 f"lower --nproc_per_node")
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        try:
+            # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP.
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        except (RuntimeError, ValueError) as error:
+            raise UsageError(f"WORLD_SIZE is set, but joining the other ranks failed "
+                             f"({str(error).splitlines()[0]}): start the script with torchrun") from None
+
+    def collective(self, operation, *args):
+        """Run one torch.distributed operation. When another rank has died, gloo raises here (its connection
+        closed): this rank then stops with one line (RankError), not a traceback."""
+        try:
+            return operation(*args)
+        except RuntimeError as error:
+            cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+            cause = cause.split("] ", 1)[-1].split(". ")[0]  # drop the C++ file and line of gloo's message
+            raise RankError(f"rank {self.rank} lost contact with the other ranks ({cause})") from None
+
+    def average_gradients(self, parameters):
+        """Replace each gradient with its mean over the ranks: one all-reduce of all gradients flattened into
+        one vector (1.7M floats, 6.7 MB, per minibatch). Why not DistributedDataParallel: DDP overlaps the
+        exchange with the backward pass, bucket by bucket, which pays for networks many times this size; and
+        it wraps the model, so the compiled forward and loss (compile_model) and the checkpoint's parameter
+        names would all go through the wrapper. One message keeps the averaging outside the compiled code,
+        in sight in Trainer.update, before the clip: every rank clips the same global gradient, and every
+        rank's fused Adam takes the same step."""
+        if not self.distributed:
+            return
+        grads = [p.grad for p in parameters]
+        flat = torch.cat([grad.flatten() for grad in grads])
+        self.collective(dist.all_reduce, flat)  # sum
+        flat /= self.world_size
+        for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(part.view_as(grad))  # (copy_ keeps each gradient's layout, channels-last included)
+
+    def mean(self, values: list) -> list:
+        """Each number's mean over the ranks."""
+        if not self.distributed:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.collective(dist.all_reduce, tensor)
+        return (tensor / self.world_size).tolist()
+
+    def gather(self, value) -> list:
+        """Every rank's value (anything picklable), in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        values = [None] * self.world_size
+        self.collective(dist.all_gather_object, values, value)
+        return values
+
+    def from_rank_0(self, make):
+        """make() run on rank 0 only; its result, or the UsageError it raised, on every rank."""
+        if not self.distributed:
+            return make()
+        result = [None]
+        if self.rank == 0:
+            try:
+                result[0] = make()
+            except UsageError as error:
+                result[0] = error
+        self.collective(dist.broadcast_object_list, result, 0)
+        if isinstance(result[0], UsageError):
+            raise result[0]
+        return result[0]
+
+    def copy_from_rank_0(self, tensors):
+        """Overwrite the tensors (the initial weights) with rank 0's."""
+        if self.distributed:
+            for tensor in tensors:
+                self.collective(dist.broadcast, tensor, 0)
+
+    def check_same(self, tensors):
+        """Raise RankError on every rank unless every rank holds bitwise the same tensors as rank 0 (the
+        weights at the end of a run: a difference means the ranks trained different networks)."""
+        if not self.distributed:
+            return
+        digest = hashlib.sha256(b"".join(tensor.detach().cpu().numpy().tobytes() for tensor in tensors))
+        digests = self.gather(digest.hexdigest())
+        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        if differ:
+            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank 0's at the "
+                            f"end of the run")
+
+    def close(self):
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 class Trainer:
     """One PPO update on one minibatch: the clipped surrogate objective, the value loss, the entropy
-    bonus, and a gradient step with the global gradient norm clipped."""
+    bonus, and a gradient step with the global gradient norm clipped (on the gradient averaged over the
+    ranks, under torchrun)."""
 
-    def __init__(self, model: Model, config: Config):
-        self.model, self.config = model, config
+    def __init__(self, model: Model, config: Config, ranks: typing.Optional[Ranks] = None):
+        self.model, self.config, self.ranks = model, config, ranks
         # Adam with eps 1e-5 instead of 1e-8 (37 details, #3), as the PPO paper's code. fused=True does
         # the same arithmetic in one kernel: 0.9 ms per step for these 1.7M weights here, against 3.8-6 ms.
         self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5, fused=True)
@@ -555,6 +689,7 @@ class Trainer:
     def loss(new_log_prob, old_log_prob, advantages, new_value, old_value, returns, entropy, config: Config):
         """The PPO loss and its diagnostics, from the pieces of one minibatch (all [batch])."""
         # Advantage normalisation per minibatch (37 details, #7): the same step size suits every game.
+        # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
         # The clipped surrogate (PPO paper, eq. 7): the probability ratio r = pi_new / pi_old may move the
@@ -596,6 +731,8 @@ class Trainer:
         loss, stats = self.compute_loss(obs, actions, old_log_prob, advantages, returns, old_value)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.ranks is not None:  # (after the backward, outside the compiled loss)
+            self.ranks.average_gradients(self.model.parameters())
         # Global gradient clipping (37 details, #11): all gradients together are scaled down to a norm of
         # at most max_grad_norm, which keeps a rare huge step from undoing the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -626,6 +763,7 @@ class Main:
         self.vector_games = None
         self.shared_obs = None
         self.obs_staging = None
+        self.ranks = None
 
     def run(self) -> dict:
         if self.config.eval:
@@ -636,9 +774,12 @@ class Main:
         finally:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
+            if self.ranks is not None:
+                self.ranks.close()
 
     def catch_stop_signals(self) -> dict:
-        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step and stops cleanly.
+        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step (under torchrun, at the end
+        of the rollout, all ranks together) and stops cleanly.
         (Signal handlers can only be set from the main thread; elsewhere, e.g. in a thread of a
         notebook, the run simply cannot be interrupted this way.)"""
         if threading.current_thread() is not threading.main_thread():
@@ -653,23 +794,33 @@ class Main:
 
     def setup(self, config: Config, checkpoint: typing.Optional[dict]):
         check_settings(config)
-        self.device = pick_device(config.device)
+        device = pick_device(config.device)
         self.num_actions = inspect_env(config.env)
-        self.run_dir = make_run_dir(config)
+        # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
+        self.ranks = Ranks(device)
+        self.device = self.ranks.device
+        # Rank 0 names and makes the run dir: the default name holds the time, which may differ between ranks.
+        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config))
         self.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
         # Reproducibility: every random draw of the trainer comes from torch's seeded generator (action
-        # sampling, minibatch shuffling), and each game from its own seeded generator.
-        random.seed(config.seed)
-        np.random.seed(config.seed)
-        torch.manual_seed(config.seed)
+        # sampling, minibatch shuffling), and each game from its own seeded generator. Under torchrun, rank
+        # r seeds with seed + r, so that its draws are its own (and rank 0's those of a run alone).
+        seed = config.seed + self.ranks.rank
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
         # Channels-last weights let the CPU's convolution kernels (oneDNN) skip a layout conversion per
         # layer: one eager minibatch update took 93 ms instead of 130 here, measured alone.
         self.model = Model(self.num_actions, bfloat16=config.precision == "bfloat16").to(
             self.device, memory_format=torch.channels_last)
-        self.trainer = Trainer(self.model, config)
+        self.trainer = Trainer(self.model, config, self.ranks)
         self.global_step, self.updates = 0, 0
         if checkpoint is not None:
             self.restore(checkpoint)
+            if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: start a fresh stream
+                torch.manual_seed(seed + self.global_step)
+        # The ranks start from the same weights, rank 0's; averaging the gradients keeps them the same.
+        self.ranks.copy_from_rank_0(self.model.state_dict().values())
         if config.compile:
             self.compile_model()
 
@@ -707,14 +858,16 @@ class Main:
     def start_workers(self):
         """Create the Games: num_workers child processes with num_envs / num_workers Games each (or all
         Games here with --num-workers 0), or ale-py's vector env. Observations land in one uint8
-        [num_envs, 4, 84, 84] array that the trainer reads as a tensor without copying."""
+        [num_envs, 4, 84, 84] array that the trainer reads as a tensor without copying. Game i of rank r
+        is seeded with seed + r * num_envs + i (rank 0's games are those of a run alone)."""
         config = self.config
+        first_seed = config.seed + self.ranks.rank * config.num_envs
         shape = (config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
         if self.device.type == "cuda":
             self.obs_staging = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
         if config.env_backend == "ale-vector":
             self.obs_array = np.zeros(shape, dtype=np.uint8)
-            self.vector_games = VectorGames(config.env, [config.seed + i for i in range(config.num_envs)],
+            self.vector_games = VectorGames(config.env, [first_seed + i for i in range(config.num_envs)],
                                             self.obs_array)
             self.obs_tensor = torch.from_numpy(self.obs_array)
             return
@@ -726,7 +879,7 @@ class Main:
         games_per_worker = config.num_envs // max(config.num_workers, 1)
         for index in range(max(config.num_workers, 1)):
             first = index * games_per_worker
-            seeds = [config.seed + i for i in range(first, first + games_per_worker)]
+            seeds = [first_seed + i for i in range(first, first + games_per_worker)]
             worker = Worker(index, config.env, seeds, self.obs_array[first:first + games_per_worker],
                             in_process=config.num_workers == 0,
                             inherited_trainer_ends=[w.trainer_end for w in self.workers])
@@ -793,7 +946,7 @@ class Main:
         self.start_time = time.perf_counter()  # setup counts: it holds the compilation, if any
         self.setup(config, checkpoint)
         config = self.config
-        self.writer = make_writer(self.run_dir, config)
+        self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None  # rank 0 logs for all
         self.recent_returns, self.recent_lengths = deque(maxlen=100), deque(maxlen=100)
         self.episodes = 0
         self.solved_step = self.solved_seconds = None
@@ -813,12 +966,15 @@ class Main:
                 if self.solved_step is not None:
                     break  # solved in the middle of a rollout: stop at once, the policy is good enough
                 learner_before = copy.deepcopy(self.learner_state())  # to fall back on if the update fails
-                stats = self.update(next_obs)
-                if not all(math.isfinite(v) for v in stats.values()):
+                try:
+                    stats = self.update(next_obs)
+                    if not all(math.isfinite(v) for v in stats.values()):
+                        raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
+                                            f"({', '.join(f'{k}={v}' for k, v in stats.items())}); stopped "
+                                            f"with the weights of the update before")
+                except (NonFiniteLoss, RankError):  # (a RankError: a rank died in the middle of the update)
                     self.restore(learner_before)
-                    raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
-                                        f"({', '.join(f'{k}={v}' for k, v in stats.items())}); stopped "
-                                        f"with the weights of the update before")
+                    raise
                 self.updates += 1
                 if self.first_update_end is None:
                     self.first_update_end = (time.perf_counter(), self.global_step)
@@ -828,14 +984,20 @@ class Main:
                     last_checkpoint_step = self.global_step
         except Interrupted:
             self.interrupted = True
-        except (WorkerError, NonFiniteLoss) as error:
+        except (WorkerError, NonFiniteLoss, RankError) as error:
             failure = error
         finally:
             self.stop_workers()
+        if failure is None:  # then all ranks are here together: check that they trained the same network
+            try:
+                self.ranks.check_same(self.model.state_dict().values())
+            except RankError as error:
+                failure = error
         self.save_checkpoint()
         summary = self.write_summary()
-        self.writer.close()
-        self.print_progress(final=True)
+        if self.writer is not None:
+            self.writer.close()
+            self.print_progress(final=True)
         if failure is not None:
             raise failure
         return summary
@@ -878,9 +1040,11 @@ class Main:
         """Play num_steps steps in every game with the current policy, filling the rollout buffer.
         Returns the observation after the last step."""
         config = self.config
+        ended = []  # (global step, statistics) of the games that end, recorded after the rollout
         for step in range(config.num_steps):
-            if self.stop_signal is not None:
-                raise Interrupted
+            # Ctrl-C or SIGTERM: alone, stop at once; under torchrun, all ranks stop together after the rollout.
+            if self.stop_signal is not None and not self.ranks.distributed:
+                break
             if step == 0:
                 self.rollout_pictures[:FRAME_STACK - 1] = next_obs[:, :-1].transpose(0, 1)
             self.rollout_pictures[FRAME_STACK - 1 + step] = next_obs[:, -1]
@@ -900,21 +1064,35 @@ class Main:
             self.rollout_rewards[step] = torch.from_numpy(rewards)
             self.rollout_dones[step] = torch.from_numpy(terminated | truncated)
             self.rollout_restarts[step] = torch.from_numpy(restarted)
-            self.global_step += config.num_envs
-            for episode in episodes.values():
-                self.record_episode(episode)
+            self.global_step += config.num_envs * self.ranks.world_size
+            ended += [(self.global_step, episode) for episode in episodes.values()]
+        self.share_rollout(ended)
         return next_obs
 
-    def record_episode(self, episode: dict):
+    def share_rollout(self, ended: list):
+        """Record the games that ended in the rollout, and stop (raise Interrupted) if asked to. Under
+        torchrun, this is where the ranks meet once per rollout: each learns the games of every rank and
+        whether any rank was asked to stop. All record the same games in the same order (by step, then by
+        rank), so they hold the same recent returns and take the same --target-return decision."""
+        shared = self.ranks.gather((ended, self.stop_signal))
+        for step, episode in sorted((game for games, _ in shared for game in games), key=lambda game: game[0]):
+            self.record_episode(episode, step)
+        signals = [signum for _, signum in shared if signum is not None]
+        if signals:
+            self.stop_signal = signals[0]
+            raise Interrupted
+
+    def record_episode(self, episode: dict, step: int):
         self.episodes += 1
         self.recent_returns.append(episode["return"])
         self.recent_lengths.append(episode["length"])
-        self.writer.add_scalar("charts/episodic_return", episode["return"], self.global_step)
-        self.writer.add_scalar("charts/episodic_length", episode["length"], self.global_step)
+        if self.writer is not None:
+            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
+            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
         target = self.config.target_return
         if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
                 and np.mean(self.recent_returns) >= target):
-            self.solved_step = self.global_step
+            self.solved_step = step
             self.solved_seconds = time.perf_counter() - self.start_time
 
     def update(self, next_obs: torch.Tensor) -> dict:
@@ -942,8 +1120,9 @@ class Main:
                     totals[key] = totals.get(key, 0.0) + value.detach()
                 count += 1
             # Early stop (37 details, #12, optional): once the policy has moved too far from the one that
-            # collected the data, further epochs would only push it beyond the trust region.
-            if config.target_kl is not None and stats["approx_kl"].item() > config.target_kl:
+            # collected the data, further epochs would only push it beyond the trust region. (Under torchrun,
+            # by the mean KL of the ranks, so that all stop after the same epoch.)
+            if config.target_kl is not None and self.ranks.mean([stats["approx_kl"].item()])[0] > config.target_kl:
                 break
         stats = {key: (value / count).item() for key, value in totals.items()}
         # Explained variance: 1 means the value function predicts the returns perfectly, 0 not at all.
@@ -951,7 +1130,9 @@ class Main:
         returns_variance = returns.var().item()
         stats["explained_variance"] = (0.0 if returns_variance == 0 else
                                        1 - (returns - self.rollout_values).var().item() / returns_variance)
-        return stats
+        # Under torchrun, the means over the ranks: rank 0 logs those of the global batch, and all ranks see
+        # the same values when train() checks them for NaN.
+        return dict(zip(stats, self.ranks.mean(list(stats.values()))))
 
     def find_episode_starts(self):
         """For each step and env, the step at which its stack last restarted within this rollout
@@ -990,6 +1171,8 @@ class Main:
 
     def log_update(self, stats: dict):
         step, writer = self.global_step, self.writer
+        if writer is None:
+            return  # under torchrun, rank 0 logs and prints for all
         for key, value in stats.items():
             if key != "grad_norm":
                 writer.add_scalar(f"losses/{key}", value, step)
@@ -1036,7 +1219,9 @@ class Main:
 
     def save_checkpoint(self):
         """Write to a temporary file, then rename: a crash or a full disk never leaves half a checkpoint,
-        and a failed write keeps the previous one."""
+        and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold the same learner)."""
+        if self.ranks.rank != 0:
+            return
         temporary = self.checkpoint_path.with_suffix(".tmp")
         try:
             torch.save(self.learner_state(), temporary)
@@ -1064,8 +1249,10 @@ class Main:
             "solved_seconds": round(self.solved_seconds, 3) if self.solved_seconds is not None else None,
             "interrupted": self.interrupted,
             "checkpoint": str(self.checkpoint_path) if self.checkpoint_path.exists() else None,
-            "world_size": 1,
+            "world_size": self.ranks.world_size,
         }
+        if self.ranks.rank != 0:
+            return summary  # rank 0 writes it
         try:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         except OSError as error:
@@ -1263,7 +1450,7 @@ if __name__ == "__main__":
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    except (WorkerError, NonFiniteLoss) as error:
+    except (WorkerError, NonFiniteLoss, RankError) as error:
         print(f"error: {error}; the checkpoint of the last finished update is kept", file=sys.stderr)
         sys.exit(1)
     if main.stop_signal is not None:
