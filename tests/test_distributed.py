@@ -1,23 +1,30 @@
-"""ppo_cartpole.py under torchrun: data-parallel ranks on CPU (gloo), started as a user starts them
-(`python -m torch.distributed.run --standalone --nproc_per_node N ppo_cartpole.py ...`). Each test starts real
-processes and, where it applies, injects the fault for real (signals, a killed rank, diverging weights)."""
+"""ppo_cartpole.py and ppo_atari.py under torchrun: data-parallel ranks on CPU (gloo), started as a user
+starts them (`python -m torch.distributed.run --standalone --nproc_per_node N ppo_cartpole.py ...`). Each test
+starts real processes and, where it applies, injects the fault for real (signals, a killed rank, diverging
+weights). The logic the scripts share is tested on CartPole, which is fast; the Atari tests at the end check
+the Atari script's own wiring."""
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+import ppo_atari as pa
 import ppo_cartpole as pc
 from conftest import ROOT
 
 # 2 ranks x 8 envs x 16 steps: a global batch of 256 steps per update.
 SMALL = ["--num-envs", 8, "--num-steps", 16, "--num-minibatches", 2]
 GLOBAL_BATCH = 2 * 8 * 16
+# Atari, eagerly (compiling would cost each rank seconds): 2 ranks x 2 games x 32 steps = 128 steps per update.
+ATARI = ["--no-compile", "--num-envs", 2, "--num-steps", 32, "--num-minibatches", 2]
+ATARI_BATCH = 2 * 2 * 32
 
 
 def torchrun(*args, nproc=2, script="ppo_cartpole.py"):
@@ -25,9 +32,9 @@ def torchrun(*args, nproc=2, script="ppo_cartpole.py"):
             str(script), *map(str, args)]
 
 
-def run(*args, nproc=2, script="ppo_cartpole.py", timeout=60):
+def run(*args, nproc=2, script="ppo_cartpole.py", timeout=60, env=None):
     return subprocess.run(torchrun(*args, nproc=nproc, script=script), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def summary_of(run_dir):
@@ -38,9 +45,9 @@ def checkpoint_of(run_dir):
     return torch.load(run_dir / "checkpoint.pt", weights_only=True)
 
 
-def no_traceback_of_ours(stderr):
+def no_traceback_of_ours(stderr, script="ppo_cartpole.py"):
     """torchrun prints a traceback of its own when a rank fails; the ranks must not."""
-    return 'ppo_cartpole.py", line' not in stderr
+    return f'{script}", line' not in stderr
 
 
 def children(pid):
@@ -89,10 +96,10 @@ def start_long_run():
     whole group is killed at the end, so that a failing test leaves no run behind."""
     started = []
 
-    def start(run_dir):
+    def start(run_dir, script="ppo_cartpole.py", settings=SMALL, global_batch=GLOBAL_BATCH):
         process = subprocess.Popen(
-            torchrun(*SMALL, "--num-workers", 2, "--total-timesteps", 10 ** 8, "--checkpoint-every", GLOBAL_BATCH,
-                     "--run-dir", run_dir),
+            torchrun(*settings, "--num-workers", 2, "--total-timesteps", 10 ** 8, "--checkpoint-every", global_batch,
+                     "--run-dir", run_dir, script=script),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         started.append(process)
         deadline = time.monotonic() + 60
@@ -232,3 +239,76 @@ def test_resume_under_torchrun_continues_from_the_checkpoint(tmp_path):
     # The last update started at new_total - GLOBAL_BATCH: the schedule follows the global step.
     assert resumed["optimizer"]["lr"] == pytest.approx(pc.Config().learning_rate * GLOBAL_BATCH / new_total)
     assert summary_of(tmp_path)["steps"] == new_total
+
+
+# ----- ppo_atari.py: its own wiring (two env backends, the compiled model, the rollout buffer) -------------
+
+
+def test_two_atari_ranks_train_one_network_and_count_the_steps_of_both(tmp_path):
+    result = run(*ATARI, "--total-timesteps", 3 * ATARI_BATCH, "--run-dir", tmp_path, script="ppo_atari.py")
+    assert result.returncode == 0, result.stderr  # 0: the end-of-run weight check passed too
+    summary = summary_of(tmp_path)
+    assert summary["world_size"] == 2 and summary["steps"] == 3 * ATARI_BATCH and not summary["interrupted"]
+    checkpoint = checkpoint_of(tmp_path)
+    assert checkpoint["global_step"] == 3 * ATARI_BATCH and checkpoint["updates"] == 3
+    # updates x epochs x minibatches gradient steps, as alone (fused Adam counts them per parameter)
+    assert all(state["step"].item() == 3 * 4 * 2 for state in checkpoint["optimizer"]["state"].values())
+    assert result.stdout.count("| done") == 1  # rank 0 alone prints and logs
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+
+
+@pytest.mark.parametrize("backend", ["ale-vector", "game"])
+def test_the_atari_games_of_rank_r_are_seeded_after_those_of_the_ranks_before(backend, monkeypatch):
+    # Both backends get seed + r * num_envs + i for game i of rank r: rank 2 of 3, 4 games in 2 workers.
+    seeds = []
+
+    class Recorder:
+        def __init__(self, index, env_id, game_seeds, obs_view, in_process, inherited_trainer_ends):
+            seeds.extend(game_seeds)
+            self.trainer_end = None
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(pa, "VectorGames", lambda env_id, game_seeds, obs_out: seeds.extend(game_seeds))
+    monkeypatch.setattr(pa, "Worker", Recorder)
+    main = pa.Main(pa.Config(seed=5, num_envs=4, num_workers=2, env_backend=backend))
+    main.device, main.ranks = torch.device("cpu"), types.SimpleNamespace(rank=2, world_size=3, distributed=True)
+    main.start_workers()
+    main.stop_workers()
+    assert seeds == [5 + 2 * 4 + i for i in range(4)]
+
+
+def test_one_atari_rank_under_torchrun_equals_a_run_alone(tmp_path):
+    settings = [*ATARI, "--seed", 3, "--total-timesteps", 2 * 2 * 32]
+    # One torch thread in both (torchrun sets none for one process): the same arithmetic, and on a small, busy
+    # machine much faster than two threads that wait for each other.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = run(*settings, "--run-dir", tmp_path / "torchrun", nproc=1, script="ppo_atari.py", env=env)
+    assert result.returncode == 0, result.stderr
+    alone = subprocess.run([sys.executable, "ppo_atari.py", *map(str, settings), "--run-dir", tmp_path / "alone"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert alone.returncode == 0, alone.stderr
+    ours, theirs = summary_of(tmp_path / "torchrun"), summary_of(tmp_path / "alone")
+    for key in ("steps", "episodes", "mean_return_100", "world_size"):
+        assert ours[key] == theirs[key], key
+    ours, theirs = checkpoint_of(tmp_path / "torchrun"), checkpoint_of(tmp_path / "alone")
+    for key in ours["model"]:
+        assert torch.equal(ours["model"][key], theirs["model"][key]), key
+    for mine, other in zip(ours["optimizer"]["state"].values(), theirs["optimizer"]["state"].values()):
+        assert torch.equal(mine["exp_avg_sq"], other["exp_avg_sq"])
+
+
+def test_ctrl_c_stops_every_atari_rank_with_a_checkpoint_and_leaves_no_process(tmp_path, start_long_run):
+    # The Game backend, so that each rank has worker processes that must not be left behind.
+    process = start_long_run(tmp_path, script="ppo_atari.py", settings=[*ATARI, "--env-backend", "game"],
+                             global_batch=ATARI_BATCH)
+    processes = everything_below(process.pid)
+    assert len(processes) >= 2 + 2 * 2  # two ranks, each with two workers
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C; torchrun passes it on to the ranks
+    _, stderr = process.communicate(timeout=30)
+    assert wait_until_gone(processes)
+    assert no_traceback_of_ours(stderr, "ppo_atari.py")
+    summary = summary_of(tmp_path)
+    assert summary["interrupted"] is True and summary["world_size"] == 2
+    assert summary["steps"] == checkpoint_of(tmp_path)["global_step"] > 0
