@@ -8,7 +8,8 @@ DeepMind's DQN (Mnih et al., 2015) and the implementation details of CleanRL and
 1. `Game`    - one Atari game, preprocessed as the published agents see it: no-op starts, 4-frame
                action repeat with max-pooling, 84x84 grayscale, 4-frame stack, life loss as the end
                of a training episode, FIRE to start, rewards clipped to their sign.
-2. `Worker`  - runs several Games in a child process (observations through shared memory) or here.
+2. `Worker`  - runs several Games in a child process (observations through shared memory) or here;
+               `VectorGames` plays the same games in ale-py's C++ vector env, the default engine.
 3. `Model`   - the Nature CNN shared by a policy head and a value head.
 4. `Trainer` - one clipped PPO update on a minibatch.
 5. `Main`    - the loop: rollout, GAE, epochs of minibatches, logging, checkpoints, evaluation.
@@ -16,7 +17,7 @@ DeepMind's DQN (Mnih et al., 2015) and the implementation details of CleanRL and
 Run it:      python ppo_atari.py --env BreakoutNoFrameskip-v4     (--help lists every flag)
 On N GPUs:   torchrun --standalone --nproc_per_node N ppo_atari.py     (data parallel: see `Ranks`)
 In a notebook:  from ppo_atari import Config, Main; Main(Config(total_timesteps=50_000)).run()
-10M steps take hours even on a GPU; on a 2-core CPU they take days (see README).
+10M steps take hours even on a GPU; on a 2-core CPU, 6 or 7 hours (see README).
 """
 
 import argparse
@@ -77,8 +78,8 @@ class Config:
     eval_episodes: int = option(10, "games played by --eval")
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
-    # Measured here (2 cores, Breakout, 40,960 steps side by side): 341 steps/s compiled, 304 eager;
-    # compiling takes ~4 s once, at start-up (summary.json's warmup_seconds).
+    # Measured here (2 cores, Breakout, 40,960 steps side by side, the Game backend): 341 steps/s compiled,
+    # 304 eager; compiling takes 5-10 s once, at start-up (part of summary.json's warmup_seconds).
     compile: bool = option(True, "torch.compile inference and the update (eager, with a warning, where it cannot)")
     # reduce-overhead records CUDA graphs: one launch replays a whole forward or backward, which matters on
     # a GPU where the many small kernels of a batch of 8 would each wait for the CPU. On a CPU it does nothing.
