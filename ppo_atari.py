@@ -402,6 +402,7 @@ class VectorGames:
     checks everything else for equality):
     - FIRE: the vector env presses FIRE for one frame at a reset and never after a life loss; the Game
       presses FIRE then 2 for 4 frames each, at both (FireResetEnv). Agents learn to press FIRE.
+      (`episodic_life=True` is no way out: in ale-py 0.12.1 it restarts the whole game at a lost life.)
     - After a life loss the vector env plays on: no NOOP step, and the frame stack goes on through
       the loss; the Game takes EpisodicLifeEnv's NOOP step and restarts its stack. So here a stack
       restarts only when a game ends (`restarted`), and the rollout buffer rebuilds stacks that way.
