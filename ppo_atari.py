@@ -1148,7 +1148,7 @@ class Main:
 
     def stacks(self, indices: torch.Tensor) -> torch.Tensor:
         """The observations [batch, 4, 84, 84] of flat rollout indices (step * num_envs + env), rebuilt
-        from the stored pictures exactly as the Game built them."""
+        from the stored pictures exactly as the games built them."""
         num_envs = self.config.num_envs
         steps, envs = indices // num_envs, indices % num_envs
         # Picture k of the stack at step t is the newest picture of step t - 3 + k, in row t + k of
@@ -1326,12 +1326,11 @@ def check_settings(config: Config):
                  "checkpoint_every"):
         if getattr(config, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    if config.compile_mode not in ("default", "reduce-overhead", "max-autotune"):
-        raise UsageError(f"unknown --compile-mode {config.compile_mode!r}: use default, reduce-overhead or max-autotune")
-    if config.precision not in ("float32", "bfloat16"):
-        raise UsageError(f"unknown --precision {config.precision!r}: use float32 or bfloat16")
-    if config.env_backend not in ("game", "ale-vector"):
-        raise UsageError(f"unknown --env-backend {config.env_backend!r}: use game or ale-vector")
+    for name, choices in (("compile_mode", ("default", "reduce-overhead", "max-autotune")),
+                          ("precision", ("float32", "bfloat16")), ("env_backend", ("game", "ale-vector"))):
+        if getattr(config, name) not in choices:
+            raise UsageError(f"unknown --{name.replace('_', '-')} {getattr(config, name)!r}: "
+                             f"use {', '.join(choices[:-1])} or {choices[-1]}")
     if config.num_workers < 0:
         raise UsageError(f"--num-workers must be 0 (games in this process) or more, not {config.num_workers}")
     if config.num_workers and config.num_envs % config.num_workers:

@@ -1,5 +1,7 @@
-"""Shared test helpers: the repository root on sys.path, and small envs registered for the tests."""
+"""Shared test helpers: the repository root on sys.path, small envs registered for the tests, and
+reading processes from /proc."""
 import sys
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -77,3 +79,33 @@ class ExplodingEnv(CountEnv):
 
 
 gym.register("TestExplode-v0", entry_point=ExplodingEnv, max_episode_steps=100)
+
+
+# ----- processes, read from /proc (the tests that kill and interrupt runs) ---------------------------
+
+
+def children(pid):
+    """The child processes of pid (from /proc), alive or not yet reaped."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def running(pid):
+    """True while the process exists and is not a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def wait_until_gone(pids, seconds=10.0):
+    """True once none of pids runs any more; False if some still do after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -17,7 +17,7 @@ import torch
 
 import ppo_atari as pa
 import ppo_cartpole as pc
-from conftest import ROOT
+from conftest import ROOT, children, wait_until_gone
 
 # 2 ranks x 8 envs x 16 steps: a global batch of 256 steps per update.
 SMALL = ["--num-envs", 8, "--num-steps", 16, "--num-minibatches", 2]
@@ -50,12 +50,6 @@ def no_traceback_of_ours(stderr, script="ppo_cartpole.py"):
     return f'{script}", line' not in stderr
 
 
-def children(pid):
-    """The child processes of pid (from /proc), alive or not yet reaped."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 def ranks_of(torchrun_pid):
@@ -73,20 +67,8 @@ def everything_below(torchrun_pid):
     return ranks + [child for rank in ranks for child in children(rank)]
 
 
-def running(pid):
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
 
 
-def wait_until_gone(pids, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while any(running(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture

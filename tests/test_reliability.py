@@ -15,7 +15,7 @@ import torch
 
 import ppo_atari as pa
 import ppo_cartpole as pc
-from conftest import ROOT
+from conftest import ROOT, children, wait_until_gone
 
 # Small runs of each script: 2 workers, a batch of 128 (cartpole) or 64 (atari) steps. Atari runs its
 # Games in worker processes here (--env-backend game): their faults are what these tests inject.
@@ -50,12 +50,6 @@ def start_script(script, run_dir, *args):
     return process
 
 
-def children(pid):
-    """The child processes of pid (from /proc), alive or not yet reaped."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 def workers_of(pid):
@@ -65,22 +59,8 @@ def workers_of(pid):
             if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
-def running(pid):
-    """True while the process exists and is not a zombie."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
 
 
-def wait_until_gone(pids, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while any(running(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def shared_memory_segments():
