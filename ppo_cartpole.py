@@ -1,19 +1,30 @@
 """PPO for games with vector observations and discrete actions (CartPole and friends), in one file.
 
-Proximal Policy Optimization (Schulman et al., 2017, "PPO paper") with the implementation details of
-CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022, "37 details").
-Read it top to bottom, in five parts:
+Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the implementation details
+of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022:
+"37 details"), each named where it is implemented.
 
-1. `Game`    - one gymnasium environment: flat float32 observations, episode bookkeeping,
-               termination kept apart from truncation.
-2. `Worker`  - runs several Games, in a child process (observations through shared memory) or here.
-3. `Model`   - the actor-critic: two separate 64-64 tanh MLPs, one categorical per action dimension.
-4. `Trainer` - one clipped PPO update on a minibatch.
-5. `Main`    - the loop: rollout, GAE, epochs of minibatches, logging, checkpoints, evaluation.
+The idea. A policy-gradient method improves a policy with games the policy itself just played; the
+games then describe an older policy, so plain policy gradient uses each batch once. PPO reuses each
+batch ("rollout") for several epochs of minibatch steps, and keeps the new policy near the one that
+collected the data by clipping the probability ratio r_t = pi(a_t | s_t) / pi_old(a_t | s_t) in its
+objective (PPO paper, eq. 7), so that a step gains nothing by moving r_t beyond [1 - eps, 1 + eps]:
 
-Run it:      python ppo_cartpole.py                   (CartPole-v1; --help lists every flag)
-On N GPUs:   torchrun --standalone --nproc_per_node N ppo_cartpole.py     (data parallel: see `Ranks`)
+    L_clip = mean_t min( r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t )
+
+The advantage A_t says how much better action a_t did than the value V(s_t) expected. Generalized
+Advantage Estimation (GAE, Schulman et al., 2016) weighs the one-step errors of V by gamma * lambda:
+
+    A_t = sum_k (gamma lambda)^k delta_(t+k),   delta_t = r_t + gamma V(s_(t+1)) - V(s_t)
+
+Read it top to bottom: `Config`, `Game` (a batch of envs), `Worker` (Games in a child process),
+`Model`, `compute_gae` and `Trainer` (a clipped PPO step), `Main` (the loop). PPO is complete at the
+banner; below it, the machinery: speed, torchrun, bookkeeping, checkpoints, evaluation, the CLI.
+
+Run it:         python ppo_cartpole.py            (CartPole-v1; --help lists every flag)
+On N GPUs:      torchrun --standalone --nproc_per_node N ppo_cartpole.py   (data parallel: `Ranks`)
 In a notebook:  from ppo_cartpole import Config, Main; Main(Config(total_timesteps=50_000)).run()
+                (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
 """
 
 import argparse
@@ -23,8 +34,7 @@ import difflib
 import hashlib
 import json
 import math
-import multiprocessing
-import multiprocessing.connection
+import multiprocessing.connection  # (binds `multiprocessing` too)
 import os
 import random
 import signal
@@ -36,6 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Optional
 
 import gymnasium as gym
 import numpy as np
@@ -46,7 +57,6 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 from gymnasium.vector import AutoresetMode
 
 SCRIPT = "ppo_cartpole"
-CARTPOLE_VECTOR_ENTRY_POINT = "gymnasium.envs.classic_control.cartpole:CartPoleVectorEnv"
 
 
 def option(default, help):
@@ -56,98 +66,68 @@ def option(default, help):
 
 @dataclass
 class Config:
-    """Every setting of a run. Each field is also a command-line flag (`num_envs` -> `--num-envs`)."""
+    """Every setting of a run. Each field is also a command-line flag (`num_envs` -> `--num-envs`).
+    The defaults solve CartPole-v1 fastest (benchmarks/README.md has the measurements)."""
 
-    # The game and the run.
-    env: str = option("CartPole-v1", "gymnasium id: Box observation; Discrete, MultiDiscrete or MultiBinary action")
-    seed: int = option(1, "seeds python, numpy, torch and every env (env i of rank r gets seed + r * num_envs + i)")
-    total_timesteps: int = option(200_000, "environment steps over all envs (of all ranks, under torchrun)")
-    device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
-    run_dir: typing.Optional[str] = option(None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
-    target_return: typing.Optional[float] = option(None, "stop once the mean return of the last 100 episodes reaches this")
-    checkpoint_every: int = option(100_000, "save a checkpoint every this many steps (and always at the end)")
-    resume: typing.Optional[str] = option(None, "continue training from this checkpoint")
-    eval: typing.Optional[str] = option(None, "no training: play --eval-episodes games with this checkpoint")
-    eval_episodes: int = option(10, "games played by --eval")
-    greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
-    video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
-    compile: bool = option(False, "torch.compile the model; off: compiling takes longer than solving CartPole")
-
-    # Collecting experience.
-    num_envs: int = option(64, "games played side by side (by each rank, under torchrun)")
-    # 0 is fastest for CartPole: stepping 64 vectorised poles takes ~60 us, less than a pipe round trip to a
-    # child. Measured here (2 cores, 81,920 steps): 41-44k steps/s with 0 workers, 28-29k with 1, 24-28k with 2.
-    num_workers: int = option(0, "child processes that run the games (0 = in this process)")
-    num_steps: int = option(32, "steps per game in each rollout; a rollout is num_envs * num_steps steps")
-
-    # The PPO update.
+    # PPO's hyperparameters.
     learning_rate: float = option(8e-3, "Adam step size at the start, annealed linearly to 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.98, "discount factor: 0.98 looks ~50 steps ahead, enough to keep a pole up")
+    gamma: float = option(0.98, "discount factor: 0.98 looks ~50 steps ahead, enough for a pole")
     gae_lambda: float = option(0.95, "GAE lambda: bias (0) vs variance (1) of the advantage")
     num_minibatches: int = option(2, "minibatches each rollout is split into")
     update_epochs: int = option(8, "passes over each rollout")
     clip_coef: float = option(0.2, "PPO's clip range for the probability ratio")
-    clip_value_loss: bool = option(False, "clip the value update too (off: it slows CartPole, see Trainer)")
-    # Steps to solve CartPole-v1, seeds 1-3, with the other defaults: 80-86k as set; ent_coef 0.01:
-    # 80-88k, target_kl 0.02: 80-84k, neither a measurable gain. Hence 0 and None.
-    ent_coef: float = option(0.0, "weight of the entropy bonus")
+    clip_value_loss: bool = option(False, "clip the value update too (off: slower on CartPole)")
+    ent_coef: float = option(0.0, "weight of the entropy bonus (0.01 solved no faster)")
     vf_coef: float = option(0.5, "weight of the value loss")
     max_grad_norm: float = option(0.5, "clip the global gradient norm to this")
-    target_kl: typing.Optional[float] = option(None, "stop an update's epochs early once the approximate KL passes this")
+    target_kl: Optional[float] = option(None, "stop an update's epochs once approx KL exceeds this")
     hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs")
 
+    # Collecting experience.
+    env: str = option("CartPole-v1", "gymnasium id: vector observations, discrete actions")
+    num_envs: int = option(64, "games played side by side (by each rank, under torchrun)")
+    # 0: stepping 64 vectorised poles takes less time than a pipe round trip to a child process.
+    num_workers: int = option(0, "child processes that run the games (0 = in this process)")
+    num_steps: int = option(32, "steps per game in each rollout: a rollout is num_envs * num_steps")
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line and exits with status 2."""
-
-
-class SameStepCartPole(CartPoleVectorEnv):
-    """gymnasium's vectorised CartPole, which steps all its poles in a few numpy operations (64 of them
-    in about the time a Python loop takes for 10 single envs), made to restart an ended episode in the
-    same step.
-
-    The library's version restarts an ended pole at the *next* call of `step`, ignoring that call's
-    action ("next-step" autoreset). Here the restart happens at once, with the very same random draw the
-    library would make one step later, so that `step` returns the first observation of the new episode
-    and the last one of the old in `info["final_obs"]`, like gymnasium's SyncVectorEnv in same-step mode.
-    tests/ check this against the library's own CartPoleVectorEnv, step by step.
-    """
-
-    metadata = {**CartPoleVectorEnv.metadata, "autoreset_mode": AutoresetMode.SAME_STEP}
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = super().step(action)
-        ended = self.prev_done  # the poles the library would restart at its next step
-        if ended.any():
-            info = {"final_obs": obs.copy(), "_final_obs": ended.copy()}
-            self.state[:, ended] = self.np_random.uniform(low=self.low, high=self.high, size=(4, ended.sum()))
-            self.steps[ended] = 0
-            self.prev_done = np.zeros_like(ended)
-            obs = self.state.T.astype(np.float32)
-        return obs, reward, terminated, truncated, info
+    # The run.
+    seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i")
+    total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)")
+    device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
+    run_dir: Optional[str] = option(
+        None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
+    target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
+    checkpoint_every: int = option(100_000, "save a checkpoint every this many steps, and last")
+    resume: Optional[str] = option(None, "continue training from this checkpoint")
+    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint")
+    eval_episodes: int = option(10, "games played by --eval")
+    greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
+    video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
+    compile: bool = option(False, "torch.compile (off: it takes longer than solving CartPole)")
 
 
 class Game:
-    """A batch of `num_envs` copies of one gymnasium environment, stepped together (the batch form of
-    GUIDE.md section 4: every value is an array over the batch).
+    """A batch of `num_envs` copies of one gymnasium environment, stepped together: every value
+    below is an array over the batch.
 
     - Observations come out flat, as float32 rows, whatever the Box's shape.
-    - When an episode ends, its env restarts in the same step: `step` returns the first observation of
-      the next episode, and the last one of the ended episode in `info["final_obs"]` (`info["_final_obs"]`
-      marks which rows hold one), so the trainer can still bootstrap from it when the episode was only
-      truncated (cut by a time limit, not ended by the game).
+    - When an episode ends, its env restarts in the same step: `step` returns the first observation
+      of the next episode, and the last one of the ended episode in `info["final_obs"]`
+      (`info["_final_obs"]` marks which rows hold one), so the trainer can still bootstrap from it
+      when the episode was only truncated (cut by a time limit, not ended by the game).
     - It counts the return and length of each episode and reports them when one ends, in
       `info["episode"]` (marked by `info["_episode"]`).
 
-    CartPole runs on `SameStepCartPole` above; every other env on gymnasium's SyncVectorEnv, a loop over
-    single envs, in its same-step autoreset mode. The batch shares one random generator in the first
-    case and seeds env i with seed + i in the second.
+    CartPole runs on `SameStepCartPole` (gymnasium's vectorised CartPole, below the banner), every
+    other env on gymnasium's SyncVectorEnv in same-step autoreset mode. The batch shares one random
+    generator in the first case and seeds env i with seed + i in the second.
     """
 
-    def __init__(self, env_id: str, seed: int, num_envs: int = 1, render_mode: typing.Optional[str] = None):
+    def __init__(self, env_id: str, seed: int, num_envs: int = 1,
+                 render_mode: Optional[str] = None):
         spec = gym.spec(env_id)
-        if spec.vector_entry_point == CARTPOLE_VECTOR_ENTRY_POINT:
+        if spec.vector_entry_point == SameStepCartPole.ENTRY_POINT:
             self.envs = SameStepCartPole(num_envs, max_episode_steps=spec.max_episode_steps,
                                          render_mode=render_mode, **spec.kwargs)
         else:
@@ -155,8 +135,7 @@ class Game:
             self.envs = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
                                      vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
                                      **({"render_mode": render_mode} if render_mode else {}))
-        self.seed = seed
-        self.num_envs = num_envs
+        self.seed, self.num_envs = seed, num_envs
         self.action_space = self.envs.single_action_space
         self.episode_returns = np.zeros(num_envs)
         self.episode_lengths = np.zeros(num_envs, dtype=np.int64)
@@ -166,8 +145,7 @@ class Game:
         # episode differs and the whole run is still fixed by the seed.
         obs, _ = self.envs.reset(seed=self.seed)
         self.seed = None
-        self.episode_returns[:] = 0
-        self.episode_lengths[:] = 0
+        self.episode_returns[:], self.episode_lengths[:] = 0, 0
         return self.flat(obs)
 
     def step(self, actions: np.ndarray):
@@ -180,20 +158,20 @@ class Game:
             info["_final_obs"] = info["_episode"] = ended
             info["final_obs"] = np.zeros_like(self.flat(obs))
             info["final_obs"][ended] = self.flat(np.stack(env_info["final_obs"][ended]))
-            info["episode"] = {"return": self.episode_returns.copy(), "length": self.episode_lengths.copy()}
-            self.episode_returns[ended] = 0
-            self.episode_lengths[ended] = 0
+            info["episode"] = {"return": self.episode_returns.copy(),
+                               "length": self.episode_lengths.copy()}
+            self.episode_returns[ended], self.episode_lengths[ended] = 0, 0
         return self.flat(obs), rewards.astype(np.float32), terminated, truncated, info
 
     @staticmethod
     def flat(obs) -> np.ndarray:
-        """A batch of observations as float32 rows, whatever their Box's shape: [batch, obs_size]."""
+        """A batch of observations as float32 rows [batch, obs_size], whatever the Box's shape."""
         obs = np.asarray(obs, dtype=np.float32)
         return obs.reshape(len(obs), -1)
 
     def env_actions(self, actions: np.ndarray):
-        """The model picks one index per action dimension, counting from 0: [num_envs, dims]. The envs
-        want their own form."""
+        """The model picks one index per action dimension, counting from 0: [num_envs, dims]. The
+        envs want their own form."""
         space = self.action_space
         if isinstance(space, gym.spaces.Discrete):
             return actions[:, 0] + space.start
@@ -209,35 +187,30 @@ class Game:
         self.envs.close()
 
 
-def step_game(game: Game, actions: np.ndarray, obs_out: np.ndarray):
-    """Step the Game, write the next observations into `obs_out`, and return what the trainer needs
-    besides: rewards, terminations, truncations, and two dicts keyed by env index: the final
-    observations of the episodes that ended, and their statistics."""
+def step_game(game: Game, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
+    """Step the Game, write the observations into `obs_out`, and return the rest: rewards, flags,
+    and by env index the final observations and the statistics of the episodes that ended."""
     obs_out[:], rewards, terminated, truncated, info = game.step(actions)
     final_obs, episodes = {}, {}
     for i in np.flatnonzero(info.get("_final_obs", ())):
         final_obs[i] = info["final_obs"][i]
-        episodes[i] = {"return": float(info["episode"]["return"][i]), "length": int(info["episode"]["length"][i])}
+        episodes[i] = {"return": float(info["episode"]["return"][i]),
+                       "length": int(info["episode"]["length"][i])}
     return rewards, terminated, truncated, final_obs, episodes
 
 
-class WorkerError(RuntimeError):
-    """A worker process died or one of its Games raised: the run stops with this message."""
-
-
 class Worker:
-    """Runs a Game (a batch of envs), either in a child process or, with `in_process=True`, right here.
+    """Runs a Game (a batch of envs), either in a child process or, with `in_process=True`, here.
 
-    The trainer and a child talk through a `multiprocessing` pipe: the trainer sends the actions, the
-    child steps its Game and answers with rewards, flags and finished-episode statistics. Observations,
-    the one large array, do not go through the pipe: the child writes them straight into shared memory
-    (`obs_view`, a numpy view over a `multiprocessing.shared_memory` block that the trainer reads as a
-    torch tensor without a copy).
+    The trainer sends the actions through a `multiprocessing` pipe; the child steps its Game and
+    answers with rewards, flags and finished-episode statistics. Observations, the one large array,
+    skip the pipe: the child writes them into shared memory (`obs_view`, a numpy view over a
+    `multiprocessing.shared_memory` block that the trainer reads as a tensor without a copy).
 
-    Children are started with `fork`: they inherit the shared memory mapping and start in milliseconds,
-    instead of importing torch again as `spawn` would. A child ignores SIGINT (a terminal's Ctrl-C
-    reaches every process of the group; the trainer decides how to stop) and exits by itself when the
-    trainer's end of its pipe closes, so a trainer that dies, however, never leaves a worker behind.
+    Children are forked: they inherit the shared memory and start in milliseconds, instead of
+    importing torch again. A child ignores SIGINT (a terminal's Ctrl-C reaches the whole process
+    group; the trainer decides how to stop) and exits by itself when the trainer's end of its pipe
+    closes, so a trainer that dies, however, never leaves a worker behind.
     """
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray, in_process: bool,
@@ -264,8 +237,8 @@ class Worker:
     def child_main(conn, trainer_ends, env_id, seed, obs_view):
         """The loop of the child process: step the Game on each command until told to stop."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # A forked child holds copies of every pipe end the trainer had. Closing the trainer's ends makes
-        # a recv() here fail with EOFError as soon as the trainer is gone.
+        # A forked child holds copies of every pipe end the trainer had. Closing the trainer's ends
+        # makes a recv() here fail with EOFError as soon as the trainer is gone.
         for end in trainer_ends:
             end.close()
         try:
@@ -296,9 +269,9 @@ class Worker:
         except (BrokenPipeError, ConnectionResetError):
             pass  # the child is gone: receive() finds out how, and says so
 
-    def receive(self, timeout: float = 120.0):
-        """The result of the last `send_step`. Waits on the pipe and on the process at once, so a child
-        that dies is noticed at once instead of blocking `recv()` forever."""
+    def receive(self, timeout: float = 120.0) -> tuple:
+        """The result of the last `send_step`. Waits on the pipe and on the process at once, so a
+        child that dies is noticed at once instead of blocking `recv()` forever."""
         if self.in_process:
             return step_game(self.game, self.actions, self.obs_view)
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
@@ -311,13 +284,14 @@ class Worker:
                 return payload
             if status == "error":
                 raise WorkerError(f"worker {self.index} ({self.env_id}) failed: {payload}")
+        name = f"worker {self.index} ({self.env_id})"
         if not ready:
-            raise WorkerError(f"worker {self.index} ({self.env_id}) did not answer within {timeout:.0f} s")
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
-        how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exit code {code}")
-        raise WorkerError(f"worker {self.index} ({self.env_id}) died ({how})")
+        signal_name = signal.Signals(-code).name if code and code < 0 else None
+        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        raise WorkerError(f"{name} died ({how})")
 
     def close(self):
         if self.in_process:
@@ -336,8 +310,8 @@ class Worker:
 
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
     """A linear layer with orthogonal weights of the given gain and zero biases (37 details, #2: the
-    hidden layers get sqrt(2), the policy output 0.01 so that all actions start equally likely, the value
-    output 1)."""
+    hidden layers get sqrt(2), the policy output 0.01 so that all actions start equally likely, the
+    value output 1)."""
     linear = nn.Linear(in_size, out_size)
     nn.init.orthogonal_(linear.weight, gain)
     nn.init.zeros_(linear.bias)
@@ -348,12 +322,11 @@ class Model(nn.Module):
     """The actor-critic: a policy MLP and a separate value MLP, both 64-64 tanh (37 details, #13:
     separate networks work better than a shared body on these small games).
 
-    The action may have several dimensions (MultiDiscrete, MultiBinary): the policy outputs one
-    categorical distribution per dimension, and the log-probability (entropy) of a whole action is the
-    sum over its dimensions, as if the dimensions were chosen independently (37 details, #23). A binary
-    dimension is a Bernoulli with logit l, which is exactly a categorical over {0, 1} with logits (0, l),
-    so binary actions reuse the categorical code. Dimensions with fewer choices than the largest are
-    padded with a logit of -1e9: probability 0, and 0 * log-probability stays 0 (not NaN) in the entropy.
+    An action may have several dimensions (MultiDiscrete, MultiBinary): one categorical per
+    dimension, and the log-probability (entropy) of an action is the sum over its dimensions, as if
+    chosen independently (37 details, #23). A binary dimension, a Bernoulli with logit l, is a
+    categorical over {0, 1} with logits (0, l). Dimensions with fewer choices than the largest are
+    padded with logits of -1e9: probability 0, and 0 * log-probability stays 0 in the entropy.
     """
 
     def __init__(self, obs_size: int, action_dims: list, binary: bool, hidden_size: int = 64):
@@ -378,43 +351,44 @@ class Model(nn.Module):
         return self.critic(obs).squeeze(-1)
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities, up to a constant, of every choice of every dimension: [batch, dims, choices]."""
+        """Log-probabilities of each choice of each dimension: [batch, dims, n]."""
         out = self.actor(obs)
         if self.binary:
             return torch.stack([torch.zeros_like(out), out], dim=-1)
         return out.view(-1, len(self.action_dims), self.num_choices) + self.logit_padding
 
     def act(self, obs: torch.Tensor, greedy: bool = False):
-        """Choose actions for a batch of observations: (actions [batch, dims], their log-probabilities,
-        the values of the observations)."""
+        """Choose actions for a batch of observations: (actions [batch, dims], their
+        log-probabilities, the values of the observations)."""
         log_probs = torch.log_softmax(self.logits(obs), dim=-1)
         if greedy:
             actions = log_probs.argmax(-1)
         else:
-            actions = torch.multinomial(log_probs.exp().view(-1, self.num_choices), 1).view(log_probs.shape[:-1])
+            choices = torch.multinomial(log_probs.exp().view(-1, self.num_choices), 1)
+            actions = choices.view(log_probs.shape[:-1])
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).sum((-1, -2))
         return actions, log_prob, self.value(obs)
 
-    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor):
-        """For the update: log-probabilities of the taken actions under the current policy, the entropy
-        of the policy, and the values, all [batch]."""
+    def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor):
+        """For the loss: log-probabilities of the taken actions under the current policy, the
+        entropy of the policy, and the values, all [batch]."""
         log_probs = torch.log_softmax(self.logits(obs), dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).sum((-1, -2))
         entropy = -(log_probs.exp() * log_probs).sum((-1, -2))
         return log_prob, entropy, self.value(obs)
 
 
-def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float) -> torch.Tensor:
+def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
     """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
 
-    rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after the
-    last step. `dones[t] = 1` when the episode ended at step t, after action t, by termination or
-    truncation; for a truncated episode the trainer has already added gamma * V(final observation) to
-    rewards[t], so cutting the sum there is right in both cases. Returns the advantages [T, N]; the
-    value targets are advantages + values.
+    rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
+    the last step. `dones[t] = 1` when the episode ended at step t, after action t, by termination
+    or truncation; for a truncated episode the trainer has already added gamma * V(final
+    observation) to rewards[t], so cutting the sum there is right in both cases. Returns the
+    advantages [T, N]; the value targets are advantages + values.
 
-    Readers who know CleanRL: its `dones[t]` means "obs[t] starts a new episode", one step later than
-    here; the two give the same advantages.
+    Readers who know CleanRL: its `dones[t]` means "obs[t] starts a new episode", one step later
+    than here; the two give the same advantages.
 
         $\\delta_t = r_t + \\gamma V(s_{t+1}) (1 - d_t) - V(s_t)$
         $\\hat{A}_t = \\delta_t + \\gamma \\lambda (1 - d_t) \\hat{A}_{t+1}$
@@ -431,14 +405,340 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     return advantages
 
 
+class Minibatch(typing.NamedTuple):
+    """A shuffled slice of the rollout, one row per step: what the Trainer learns from."""
+
+    obs: torch.Tensor  # [batch, obs_size], as the policy saw them
+    actions: torch.Tensor  # [batch, dims], the actions it took
+    old_log_probs: torch.Tensor  # their log-probabilities then
+    advantages: torch.Tensor  # from GAE
+    returns: torch.Tensor  # the value targets: advantages + old values
+    old_values: torch.Tensor  # the values then
+
+
+class Trainer:
+    """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
+    bonus, and a gradient step with the global gradient norm clipped."""
+
+    def __init__(self, model: Model, config: Config, ranks: Optional["Ranks"] = None):
+        self.model, self.config, self.ranks = model, config, ranks
+        # Adam (written out below the banner) with eps 1e-5 instead of 1e-8 (37 details, #3).
+        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+
+    @staticmethod
+    def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
+        """The PPO loss and its diagnostics, from a minibatch and what the current weights make of
+        it (all [batch])."""
+        # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
+        # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
+        advantages = minibatch.advantages
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+        # The clipped surrogate (PPO paper, eq. 7): the probability ratio r = pi_new / pi_old may
+        # move the objective only within [1 - clip, 1 + clip]; the max of the two negated terms is
+        # the pessimistic (min) bound of the paper. 37 details, #8.
+        log_ratio = new_log_probs - minibatch.old_log_probs
+        ratio = log_ratio.exp()
+        clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
+        policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
+
+        # Value loss (37 details, #9): squared error to the GAE returns; optionally clipped like the
+        # policy, around the values of the rollout. Off by default here: on CartPole the returns
+        # grow faster than a clipped value can follow (benchmarks/README.md).
+        returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
+        if config.clip_value_loss:
+            clipped = old_values + (new_values - old_values).clamp(-clip, clip)
+            value_loss = 0.5 * torch.max((new_values - returns) ** 2,
+                                         (clipped - returns) ** 2).mean()
+        else:
+            value_loss = 0.5 * ((new_values - returns) ** 2).mean()
+
+        # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
+        entropy_mean = entropy.mean()
+        loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
+
+        # Diagnostics (37 details, #12): approx KL with the low-variance estimator (r - 1) - log r
+        # (Schulman, "Approximating KL divergence", 2020) and the share of samples the clip touched.
+        with torch.no_grad():
+            approx_kl = ((ratio - 1) - log_ratio).mean()
+            clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
+        stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
+                 "approx_kl": approx_kl, "clip_fraction": clip_fraction}
+        return loss, stats
+
+    def compute_loss(self, minibatch: Minibatch):
+        """The loss of a minibatch under the current weights (what --compile compiles)."""
+        new_log_probs, entropy, new_values = self.model.evaluate_actions(minibatch.obs,
+                                                                         minibatch.actions)
+        return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
+
+    def gradient_step(self, minibatch: Minibatch) -> dict:
+        """One gradient step on one minibatch. Returns the diagnostics as tensors (no host sync)."""
+        loss, stats = self.compute_loss(minibatch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        if self.ranks is not None:
+            self.ranks.average_gradients(self.model.parameters())
+        # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
+        # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
+        stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                      self.config.max_grad_norm)
+        self.optimizer.step()
+        return stats
+
+
+class Main:
+    """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
+    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps in each of
+    num_envs games with the current policy, estimate each step's advantage with GAE, then take
+    update_epochs passes over the rollout in shuffled minibatches, one clipped gradient step each.
+    The `RunGuard` (below the banner) sets up, logs, saves and stops, so `train` reads as PPO."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.guard = None
+
+    def run(self) -> dict:
+        return evaluate_checkpoint(self.config) if self.config.eval else self.train()
+
+    def train(self) -> dict:
+        self.guard = guard = RunGuard(self)  # settings, torchrun, seeds, Ctrl-C, failures, saving
+        with guard:
+            config = self.config  # (the checkpoint's settings, when resuming)
+            self.model = Model(guard.obs_size, guard.action_dims, guard.binary, config.hidden_size)
+            self.trainer = Trainer(self.model.to(guard.device), config, guard.ranks)
+            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
+            self.games = guard.start_games()  # Workers; observations through shared memory
+            self.rollout = Rollout(config, guard.obs_size, len(guard.action_dims), guard.device)
+            next_obs = self.games.observations()
+            while self.global_step < config.total_timesteps:
+                self.anneal_learning_rate()
+                next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
+                if guard.solved_step is not None:
+                    break  # the target was reached in this rollout: the policy is good enough
+                advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
+                stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
+                guard.after_update(stats)  # NaN guard, logging, checkpoint when due
+        return guard.summary
+
+    def anneal_learning_rate(self):
+        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
+        end, set by the step at which each rollout starts, so that a resumed run continues it."""
+        config = self.config
+        if config.anneal_lr:
+            progress = self.global_step / config.total_timesteps
+            self.trainer.optimizer.lr = config.learning_rate * max(0.0, 1.0 - progress)
+
+    @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
+    def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
+        """Play num_steps steps in every game with the current policy, filling the rollout buffer.
+        Returns the observation after the last step."""
+        config, rollout, device = self.config, self.rollout, self.guard.device
+        ended = []  # (global step, statistics) of the episodes that end
+        for step in range(config.num_steps):
+            if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
+                break
+            rollout.obs[step] = next_obs
+            actions, log_probs, values = self.model.act(next_obs)
+            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = (
+                actions, log_probs, values)
+            result = self.games.step(actions.cpu().numpy())
+            next_obs = self.games.observations()
+            rewards = torch.from_numpy(result.rewards).to(device)
+            # Truncation is not death: an episode cut by a time limit would have gone on, so its
+            # last reward gets the value of where it stood, gamma * V(final observation), added.
+            # Then the done flag below can cut GAE's sum for both kinds of endings (compute_gae).
+            cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
+            if cut:
+                cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
+                rewards[cut] += config.gamma * self.model.value(cut_obs.to(device))
+            rollout.rewards[step] = rewards
+            rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated).to(device)
+            self.global_step += config.num_envs * self.guard.ranks.world_size
+            ended += [(self.global_step, episode) for episode in result.episodes.values()]
+        self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
+        return next_obs
+
+    def estimate_advantages(self, next_obs: torch.Tensor):
+        """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
+        with torch.no_grad():
+            last_value = self.model.value(next_obs)
+        rollout = self.rollout
+        advantages = compute_gae(rollout.rewards, rollout.values, rollout.dones, last_value,
+                                 self.config.gamma, self.config.gae_lambda)
+        return advantages, advantages + rollout.values
+
+    def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
+        """update_epochs passes over the rollout in shuffled minibatches, one gradient step each.
+        Returns the mean diagnostics as floats (the only host sync of the update)."""
+        config, ranks = self.config, self.guard.ranks
+        batch_size = config.num_envs * config.num_steps
+        minibatch_size = batch_size // config.num_minibatches
+        totals, count = {}, 0
+        for epoch in range(config.update_epochs):
+            order = torch.randperm(batch_size, device=self.guard.device)
+            for start in range(0, batch_size, minibatch_size):
+                indices = order[start:start + minibatch_size]
+                stats = self.trainer.gradient_step(self.rollout.minibatch(indices, advantages,
+                                                                          returns))
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value.detach()
+                count += 1
+            # Early stop (37 details, #12, optional): once the policy has moved too far from the one
+            # that collected the data, further epochs would only push it beyond the trust region.
+            # (Under torchrun, by the ranks' mean KL, so that all stop after the same epoch.)
+            kl = stats["approx_kl"].item() if config.target_kl is not None else None
+            if kl is not None and ranks.mean([kl])[0] > config.target_kl:
+                break
+        stats = {key: (value / count).item() for key, value in totals.items()}
+        stats["explained_variance"] = explained_variance(self.rollout.values, returns)
+        # Under torchrun, the means over the ranks: rank 0 logs those of the global batch, and all
+        # ranks see the same values when the guard checks them for NaN.
+        return dict(zip(stats, ranks.mean(list(stats.values()))))
+
+
+# ==== Below: speed, safety and scale. PPO is complete above. ======================================
+#
+# What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
+# engines the games run on, the rollout buffer, a faster Adam and compilation; `Ranks` (torchrun);
+# `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the
+# checks of the user's input; the command line.
+
+
+# ----- The games' engines -------------------------------------------------------------------------
+
+
+class SameStepCartPole(CartPoleVectorEnv):
+    """gymnasium's vectorised CartPole, which steps all its poles in a few numpy operations (64 of
+    them in about the time a Python loop takes for 10 single envs), made to restart an ended episode
+    in the same step.
+
+    The library's version restarts an ended pole at the *next* call of `step`, ignoring that call's
+    action ("next-step" autoreset). Here the restart happens at once, with the very same random draw
+    the library would make one step later, so that `step` returns the first observation of the new
+    episode and the last one of the old in `info["final_obs"]`, like gymnasium's SyncVectorEnv in
+    same-step mode. tests/ check this against the library's own CartPoleVectorEnv, step by step.
+    """
+
+    ENTRY_POINT = "gymnasium.envs.classic_control.cartpole:CartPoleVectorEnv"
+    metadata = {**CartPoleVectorEnv.metadata, "autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        ended = self.prev_done  # the poles the library would restart at its next step
+        if ended.any():
+            info = {"final_obs": obs.copy(), "_final_obs": ended.copy()}
+            self.state[:, ended] = self.np_random.uniform(low=self.low, high=self.high,
+                                                          size=(4, ended.sum()))
+            self.steps[ended] = 0
+            self.prev_done = np.zeros_like(ended)
+            obs = self.state.T.astype(np.float32)
+        return obs, reward, terminated, truncated, info
+
+
+class StepResult(typing.NamedTuple):
+    """What one step of all the games gives the trainer, besides the observations."""
+
+    rewards: np.ndarray  # [num_envs]
+    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game (the pole fell)
+    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
+    final_obs: dict  # env index -> the last observation of the episode that ended there
+    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
+
+
+class WorkerPool:
+    """All the games: num_workers Workers with a Game of num_envs / num_workers envs each (or one
+    Game in this process with --num-workers 0). Their observations land in one [num_envs, obs_size]
+    array (shared memory when there are child processes) that the trainer reads as a tensor without
+    copying. Env i is seeded with first_seed + i."""
+
+    def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
+        self.device = device
+        self.workers, self.shared_obs = [], None
+        shape = (config.num_envs, obs_size)
+        if config.num_workers == 0:
+            self.obs_array = np.zeros(shape, dtype=np.float32)
+        else:
+            self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
+            self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
+        games_per_worker = config.num_envs // max(config.num_workers, 1)
+        try:
+            for index in range(max(config.num_workers, 1)):
+                first = index * games_per_worker
+                worker = Worker(index, config.env, first_seed + first,
+                                self.obs_array[first:first + games_per_worker],
+                                in_process=config.num_workers == 0,
+                                inherited_trainer_ends=[w.trainer_end for w in self.workers])
+                worker.first = first
+                self.workers.append(worker)
+        except BaseException:
+            self.close()  # the workers started so far
+            raise
+        if self.shared_obs is not None:
+            # The children have the memory mapped now, so its name is no longer needed: unlinking
+            # it at once means no segment is ever left behind in /dev/shm, however this ends.
+            self.shared_obs.unlink()
+        self.obs_tensor = torch.from_numpy(self.obs_array)
+
+    def observations(self) -> torch.Tensor:
+        """The games' current observations on the training device (no copy on the CPU)."""
+        return self.obs_tensor.to(self.device)
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        """Step every game: send all workers their actions first, then collect, so that children
+        run in parallel."""
+        for worker in self.workers:
+            worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
+        results = [worker.receive() for worker in self.workers]
+        if len(results) == 1:
+            return StepResult(*results[0])
+        final_obs, episodes = {}, {}
+        for worker, (_, _, _, worker_final_obs, worker_episodes) in zip(self.workers, results):
+            final_obs.update({worker.first + i: obs for i, obs in worker_final_obs.items()})
+            episodes.update({worker.first + i: episode for i, episode in worker_episodes.items()})
+        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[:3])
+        return StepResult(rewards, terminated, truncated, final_obs, episodes)
+
+    def close(self):
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
+        if self.shared_obs is not None:
+            self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
+            self.shared_obs.close()
+            self.shared_obs = None
+
+
+# ----- The rollout buffer, Adam and compilation ---------------------------------------------------
+
+
+class Rollout:
+    """The rollout buffer: one row per step and env, on the training device."""
+
+    def __init__(self, config: Config, obs_size: int, num_dims: int, device: torch.device):
+        shape = (config.num_steps, config.num_envs)
+        self.obs = torch.zeros(shape + (obs_size,), device=device)
+        self.actions = torch.zeros(shape + (num_dims,), dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(shape, device=device)
+        self.values = torch.zeros(shape, device=device)
+        self.rewards = torch.zeros(shape, device=device)
+        self.dones = torch.zeros(shape, device=device)
+
+    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
+        """The rows of flat indices (step * num_envs + env)."""
+        return Minibatch(self.obs.flatten(0, 1)[indices], self.actions.flatten(0, 1)[indices],
+                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
+                         returns.flatten()[indices], self.values.flatten()[indices])
+
+
 class Adam:
     """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines.
 
-    Why not torch.optim.Adam: constructing the first torch.optim optimizer imports torch._dynamo, which
-    took 1.3 s here, a third of the time this script needs to solve CartPole. tests/ check this class
-    against torch.optim.Adam step by step. Adam keeps running averages of each gradient (m) and of its
-    square (v), corrects their bias towards 0 in the first steps, and moves each weight by
-    lr * m_hat / (sqrt(v_hat) + eps). eps is 1e-5, not 1e-8 (37 details, #3).
+    Why not torch.optim.Adam: constructing the first torch.optim optimizer imports torch._dynamo,
+    which costs about a second, a large share of the time this script needs to solve CartPole.
+    tests/ check this class against torch.optim.Adam step by step. Adam keeps running averages of
+    each gradient (m) and of its square (v), corrects their bias towards 0 in the first steps, and
+    moves each weight by lr * m_hat / (sqrt(v_hat) + eps).
     """
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
@@ -463,46 +763,85 @@ class Adam:
         torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
         torch._foreach_mul_(self.exp_avg_sq, beta2)
         torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
-        # $w \leftarrow w - \frac{lr}{1 - \beta_1^t} \, m / (\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon)$
+        # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
         denominators = torch._foreach_sqrt(self.exp_avg_sq)
         torch._foreach_div_(denominators, bias_correction2_sqrt)
         torch._foreach_add_(denominators, self.eps)
-        torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -self.lr / bias_correction1)
+        step_size = self.lr / bias_correction1
+        torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "lr": self.lr, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        return {"steps": self.steps, "lr": self.lr, "exp_avg": self.exp_avg,
+                "exp_avg_sq": self.exp_avg_sq}
 
     def load_state_dict(self, state: dict):
         self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        for mine, saved in zip(self.exp_avg + self.exp_avg_sq, state["exp_avg"] + state["exp_avg_sq"]):
-            mine.copy_(saved)
+        saved = state["exp_avg"] + state["exp_avg_sq"]
+        for mine, theirs in zip(self.exp_avg + self.exp_avg_sq, saved):
+            mine.copy_(theirs)
+
+
+def compile_learner(model: Model, trainer: Trainer, config: Config, obs_size: int, num_dims: int,
+                    device: torch.device):
+    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and for
+    the loss (its backward is compiled with it). It costs seconds to compile, which CartPole never
+    earns back, hence off by default. Compiling the bound methods, not the modules, keeps the
+    checkpoint's parameter names as they are. Both are compiled here, on inputs of the sizes they
+    will see, so that a machine that cannot compile falls back to eager at once, with a warning."""
+    networks = (model.actor, model.critic)
+    eager_forwards, eager_loss = [network.forward for network in networks], trainer.compute_loss
+    minibatch_size = config.num_envs * config.num_steps // config.num_minibatches
+    try:
+        for network, forward in zip(networks, eager_forwards):
+            network.forward = torch.compile(forward)
+        trainer.compute_loss = torch.compile(eager_loss)
+        with torch.no_grad():
+            model.act(torch.zeros(config.num_envs, obs_size, device=device))
+        zeros = torch.zeros(minibatch_size, device=device)
+        actions = torch.zeros((minibatch_size, num_dims), dtype=torch.long, device=device)
+        obs = torch.zeros(minibatch_size, obs_size, device=device)
+        loss, _ = trainer.compute_loss(Minibatch(obs, actions, zeros, zeros + 1, zeros, zeros))
+        loss.backward()
+        trainer.optimizer.zero_grad()
+    except Exception as error:
+        for network, forward in zip(networks, eager_forwards):
+            network.forward = forward
+        trainer.compute_loss = eager_loss
+        print(f"warning: torch.compile failed ({type(error).__name__}: "
+              f"{str(error).splitlines()[0]}); running eagerly", file=sys.stderr)
+
+
+# ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
 
 class RankError(RuntimeError):
-    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ at the end."""
+    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ at
+    the end."""
 
 
 class Ranks:
     """The processes ("ranks") of one run started by torchrun, and the few things they do together.
 
-    `torchrun --nproc_per_node N ppo_cartpole.py ...` (or any torch.distributed launcher, over several
-    machines too) starts N copies of this script and tells each its rank and the world size in the
-    environment (RANK, WORLD_SIZE, LOCAL_RANK). This is data parallelism, as in CleanRL's multi-GPU PPO
-    (ppo_atari_multigpu.py): each rank plays its own --num-envs games (env i of rank r gets seed + r *
-    num_envs + i), collects its own rollout and splits it into its own --num-minibatches; but before each
-    gradient step the ranks average their gradients, so all take the same step and hold the same weights.
-    - The global batch of an update is world_size x num_envs x num_steps steps. --total-timesteps, the
-      learning-rate schedule and --checkpoint-every count the steps of all ranks.
-    - A gradient step sees world_size x (num_envs x num_steps / num_minibatches) samples, and an update still
-      takes update_epochs x num_minibatches steps.
-    - To keep the hyperparameters of a 1-GPU run equivalent on N GPUs, divide --num-envs by N: the same
-      global batch, minibatches and steps, in 1/N of the time. Keeping --num-envs makes the batch and the
-      minibatches N times larger, and the run N times fewer updates for the same --total-timesteps.
-    Every decision to stop (Ctrl-C, --target-return, --target-kl, a non-finite loss) is taken from values
-    all ranks share, so no rank waits in a collective the others skipped. Only rank 0 writes files.
+    `torchrun --nproc_per_node N ppo_cartpole.py ...` (or any torch.distributed launcher, over
+    several machines too) starts N copies of this script and tells each its rank and the world size
+    in the environment (RANK, WORLD_SIZE, LOCAL_RANK). This is data parallelism, as in CleanRL's
+    multi-GPU PPO (ppo_atari_multigpu.py): each rank plays its own --num-envs games (env i of rank r
+    gets seed + r * num_envs + i), collects its own rollout and splits it into its own
+    --num-minibatches; but before each gradient step the ranks average their gradients, so all take
+    the same step and hold the same weights.
+    - The global batch of an update is world_size x num_envs x num_steps steps. --total-timesteps,
+      the learning-rate schedule and --checkpoint-every count the steps of all ranks.
+    - A gradient step sees world_size x (num_envs x num_steps / num_minibatches) samples, and an
+      update still takes update_epochs x num_minibatches steps.
+    - To keep the hyperparameters of a 1-GPU run equivalent on N GPUs, divide --num-envs by N: the
+      same global batch, minibatches and steps, in 1/N of the time. Keeping --num-envs makes the
+      batch and the minibatches N times larger, and the run N times fewer updates.
+    Every decision to stop (Ctrl-C, --target-return, --target-kl, a non-finite loss) is taken from
+    values all ranks share, so no rank waits in a collective the others skipped. Only rank 0 writes
+    files.
 
-    Without torchrun it is a world of one: no process group, and every method returns at once, so a run
-    alone is exactly what it was before this class existed.
+    Without torchrun it is a world of one: no process group, and every method returns at once, so
+    a run alone is exactly what it would be without this class.
     """
 
     def __init__(self, device: torch.device):
@@ -515,8 +854,8 @@ class Ranks:
         if device.type == "cuda":  # one GPU per rank: the LOCAL_RANK-th of its machine
             local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
             if local_rank >= gpus:
-                raise UsageError(f"rank {self.rank} wants GPU {local_rank}, but its machine has {gpus}: "
-                                 f"lower --nproc_per_node")
+                raise UsageError(f"rank {self.rank} wants GPU {local_rank}, but its machine has "
+                                 f"{gpus}: lower --nproc_per_node")
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         try:
@@ -524,24 +863,26 @@ class Ranks:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         except (RuntimeError, ValueError) as error:
             raise UsageError(f"WORLD_SIZE is set, but joining the other ranks failed "
-                             f"({str(error).splitlines()[0]}): start the script with torchrun") from None
+                             f"({str(error).splitlines()[0]}): start the script with torchrun"
+                             ) from None
 
     def collective(self, operation, *args):
-        """Run one torch.distributed operation. When another rank has died, gloo raises here (its connection
-        closed): this rank then stops with one line (RankError), not a traceback."""
+        """Run one torch.distributed operation. When another rank has died, gloo raises here (its
+        connection closed): this rank then stops with one line (RankError), not a traceback."""
         try:
             return operation(*args)
         except RuntimeError as error:
             cause = str(error).splitlines()[0] if str(error) else type(error).__name__
-            cause = cause.split("] ", 1)[-1].split(". ")[0]  # drop the C++ file and line of gloo's message
-            raise RankError(f"rank {self.rank} lost contact with the other ranks ({cause})") from None
+            cause = cause.split("] ", 1)[-1].split(". ")[0]  # drop gloo's C++ file and line
+            raise RankError(f"rank {self.rank} lost contact with the other ranks ({cause})"
+                            ) from None
 
     def average_gradients(self, parameters):
-        """Replace each gradient with its mean over the ranks: one all-reduce of all gradients flattened into
-        one vector. Why not DistributedDataParallel: DDP overlaps the exchange with the backward pass, which
-        pays for big networks; here one small message per minibatch is as fast, keeps the averaging in
-        sight in Trainer.update (before the clip, so every rank clips the same global gradient), and fits
-        the hand-written Adam, which reads each parameter's .grad."""
+        """Replace each gradient with its mean over the ranks: one all-reduce of all gradients
+        flattened into one vector. Why not DistributedDataParallel: DDP overlaps the exchange with
+        the backward pass, which pays for big networks; here one small message per minibatch is as
+        fast, keeps the averaging in sight in Trainer.gradient_step (before the clip, so every rank
+        clips the same global gradient), and fits the hand-written Adam, which reads each .grad."""
         if not self.distributed:
             return
         grads = [p.grad for p in parameters]
@@ -589,86 +930,27 @@ class Ranks:
                 self.collective(dist.broadcast, tensor, 0)
 
     def check_same(self, tensors):
-        """Raise RankError on every rank unless every rank holds bitwise the same tensors as rank 0 (the
-        weights at the end of a run: a difference means the ranks trained different networks)."""
+        """Raise RankError on every rank unless every rank holds bitwise the same tensors as rank 0
+        (the weights at the end of a run: a difference means the ranks trained other networks)."""
         if not self.distributed:
             return
-        digest = hashlib.sha256(b"".join(tensor.detach().cpu().numpy().tobytes() for tensor in tensors))
+        digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
         digests = self.gather(digest.hexdigest())
         differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
         if differ:
-            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank 0's at the "
-                            f"end of the run")
+            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank "
+                            f"0's at the end of the run")
 
     def close(self):
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-class Trainer:
-    """One PPO update on one minibatch: the clipped surrogate objective, the value loss, the entropy
-    bonus, and a gradient step with the global gradient norm clipped (on the gradient averaged over the
-    ranks, under torchrun)."""
+# ----- RunGuard: set-up, Ctrl-C, failures, logging and the summary --------------------------------
 
-    def __init__(self, model: Model, config: Config, ranks: typing.Optional[Ranks] = None):
-        self.model, self.config, self.ranks = model, config, ranks
-        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
 
-    @staticmethod
-    def loss(new_log_prob, old_log_prob, advantages, new_value, old_value, returns, entropy, config: Config):
-        """The PPO loss and its diagnostics, from the pieces of one minibatch (all [batch])."""
-        # Advantage normalisation per minibatch (37 details, #7): the same step size suits every game.
-        # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-
-        # The clipped surrogate (PPO paper, eq. 7): the probability ratio r = pi_new / pi_old may move the
-        # objective only within [1 - clip, 1 + clip]; taking the max of the two negated terms is the
-        # pessimistic (min) bound of the paper. 37 details, #8.
-        log_ratio = new_log_prob - old_log_prob
-        ratio = log_ratio.exp()
-        policy_loss = torch.max(-advantages * ratio,
-                                -advantages * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)).mean()
-
-        # Value loss (37 details, #9): squared error to the GAE returns; optionally clipped like the
-        # policy, around the values of the rollout. Off by default here: on CartPole the returns grow
-        # faster than a clipped value can follow (CartPole-v1, seeds 1-3: 105-133k steps to solve with
-        # clipping, 80-86k without).
-        if config.clip_value_loss:
-            clipped_value = old_value + (new_value - old_value).clamp(-config.clip_coef, config.clip_coef)
-            value_loss = 0.5 * torch.max((new_value - returns) ** 2, (clipped_value - returns) ** 2).mean()
-        else:
-            value_loss = 0.5 * ((new_value - returns) ** 2).mean()
-
-        # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
-        entropy_mean = entropy.mean()
-        loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator (r - 1) - log r
-        # (Schulman, "Approximating KL divergence", 2020) and the share of samples the clip touched.
-        with torch.no_grad():
-            approx_kl = ((ratio - 1) - log_ratio).mean()
-            clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
-        stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
-                 "approx_kl": approx_kl, "clip_fraction": clip_fraction}
-        return loss, stats
-
-    def compute_loss(self, obs, actions, old_log_prob, advantages, returns, old_value):
-        """The loss of one minibatch under the current weights (what `--compile` compiles, backward included)."""
-        new_log_prob, entropy, new_value = self.model.evaluate(obs, actions)
-        return self.loss(new_log_prob, old_log_prob, advantages, new_value, old_value, returns, entropy, self.config)
-
-    def update(self, obs, actions, old_log_prob, advantages, returns, old_value) -> dict:
-        """One gradient step on one minibatch. Returns the diagnostics as tensors (no host sync here)."""
-        loss, stats = self.compute_loss(obs, actions, old_log_prob, advantages, returns, old_value)
-        self.optimizer.zero_grad()
-        loss.backward()
-        if self.ranks is not None:
-            self.ranks.average_gradients(self.model.parameters())
-        # Global gradient clipping (37 details, #11): all gradients together are scaled down to a norm of
-        # at most max_grad_norm, which keeps a rare huge step from undoing the policy.
-        stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
-        return stats
+class WorkerError(RuntimeError):
+    """A worker process died or one of its Games raised: the run stops with this message."""
 
 
 class Interrupted(Exception):
@@ -679,171 +961,78 @@ class NonFiniteLoss(RuntimeError):
     """A loss or gradient became NaN or infinite: the run stops rather than train on garbage."""
 
 
-class Main:
-    """The training loop (and `--eval`). `Main(config).run()` returns the summary as a dict.
+FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit status 1
 
-    Each iteration ("update") collects a rollout of num_steps steps in each of num_envs games with the
-    current policy, computes advantages with GAE, then runs update_epochs passes of shuffled minibatches
-    through the Trainer (37 details, #6). Then it logs, and checkpoints when due.
+
+class RunGuard:
+    """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
+
+    On entry it reads --resume's checkpoint, checks the settings and the env, joins the other ranks
+    under torchrun, makes the run dir and seeds every generator. In the loop it records finished
+    episodes, stops on Ctrl-C or SIGTERM, logs each update, saves checkpoints when due, and stops
+    on a non-finite loss with the weights of the update before. On exit, whatever ended the run,
+    it closes the games, saves the last checkpoint and writes summary.json (a failure is raised
+    again afterwards), then gives back what it changed in the process: the signal handlers and
+    torch's thread count, so that a notebook is left as it was.
     """
 
-    def __init__(self, config: Config):
-        self.config = config
+    def __init__(self, main: Main):
+        self.main, self.config = main, main.config
+        self.previous_threads = torch.get_num_threads()
+        self.previous_handlers = {}
         self.stop_signal = None
-        self.workers = []
-        self.shared_obs = None
-        self.ranks = None
+        self.ranks = self.games = self.writer = None
+        self.updates = 0
+        self.summary = None
 
-    def run(self) -> dict:
-        if self.config.eval:
-            return self.evaluate()
-        previous_handlers = self.catch_stop_signals()
+    def __enter__(self) -> "RunGuard":
+        self.catch_stop_signals()
         try:
-            return self.train()
-        finally:
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
-            if self.ranks is not None:
-                self.ranks.close()
+            self.setup()
+        except BaseException:
+            self.give_back()
+            raise
+        return self
 
-    def catch_stop_signals(self) -> dict:
-        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step (under torchrun, at the end
-        of the rollout, all ranks together) and stops cleanly.
-        (Signal handlers can only be set from the main thread; elsewhere, e.g. in a thread of a
-        notebook, the run simply cannot be interrupted this way.)"""
+    def catch_stop_signals(self):
+        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step (under torchrun,
+        at the end of the rollout, all ranks together) and stops cleanly. (Signal handlers can only
+        be set from the main thread; in another thread the run cannot be interrupted this way.)"""
         if threading.current_thread() is not threading.main_thread():
-            return {}
+            return
 
         def request_stop(signum, frame):
             self.stop_signal = signum
 
-        return {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous_handlers[signum] = signal.signal(signum, request_stop)
 
-    # ----- setting up -----------------------------------------------------------------------------
-
-    def setup(self, config: Config, checkpoint: typing.Optional[dict]):
+    def setup(self):
+        config = self.config
+        self.checkpoint = load_checkpoint(config.resume) if config.resume else None
+        if self.checkpoint is not None:
+            config = resumed_config(self.checkpoint, config)
+        self.start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
         check_settings(config)
         device = pick_device(config.device)
         self.obs_size, self.action_dims, self.binary = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(device)
         self.device = self.ranks.device
-        # Rank 0 names and makes the run dir: the default name holds the time, which may differ between ranks.
+        # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config))
-        self.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Reproducibility: every random draw of the trainer comes from torch's seeded generator (action
-        # sampling, minibatch shuffling), and each game from its own seeded generator. Under torchrun, rank
-        # r seeds with seed + r, so that its draws are its own (and rank 0's those of a run alone).
-        seed = config.seed + self.ranks.rank
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-        # One thread is fastest for networks this small: splitting a 64-unit layer over threads costs more
-        # than it saves (measured here: the updates of a solving run took 2.0 s on one thread, 2.9 s on two).
+        config = dataclasses.replace(config, run_dir=str(self.run_dir))
+        self.main.config = self.config = config
+        # Reproducibility: every random draw of the trainer comes from torch's seeded generator
+        # (action sampling, minibatch shuffling), and each game from its own seeded generator.
+        # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
+        self.seed = config.seed + self.ranks.rank
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        # One thread is fastest for networks this small: splitting a 64-unit layer over threads
+        # costs more than it saves (benchmarks/README.md). Given back when the run ends.
         torch.set_num_threads(1)
-        self.model = Model(self.obs_size, self.action_dims, self.binary, config.hidden_size).to(self.device)
-        self.trainer = Trainer(self.model, config, self.ranks)
-        self.global_step, self.updates = 0, 0
-        if checkpoint is not None:
-            self.restore(checkpoint)
-            if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: start a fresh stream
-                torch.manual_seed(seed + self.global_step)
-        # The ranks start from the same weights, rank 0's; averaging the gradients keeps them the same.
-        self.ranks.copy_from_rank_0(self.model.state_dict().values())
-        if config.compile:
-            self.compile_model()
-
-    def compile_model(self):
-        """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and for the
-        update's loss (its backward is compiled with it). It costs seconds to compile, which CartPole never
-        earns back, hence off by default. Compiling the bound methods, not the modules, keeps the
-        checkpoint's parameter names as they are. Both are compiled here, on inputs of the sizes they will
-        see, so that a machine that cannot compile falls back to eager at once, with a one-line warning."""
-        networks = (self.model.actor, self.model.critic)
-        eager_forwards, eager_loss = [network.forward for network in networks], self.trainer.compute_loss
-        config = self.config
-        minibatch_size = config.num_envs * config.num_steps // config.num_minibatches
-        try:
-            for network, forward in zip(networks, eager_forwards):
-                network.forward = torch.compile(forward)
-            self.trainer.compute_loss = torch.compile(eager_loss)
-            with torch.no_grad():
-                self.model.act(torch.zeros(config.num_envs, self.obs_size, device=self.device))
-            zeros = torch.zeros(minibatch_size, device=self.device)
-            actions = torch.zeros((minibatch_size, len(self.action_dims)), dtype=torch.long, device=self.device)
-            loss, _ = self.trainer.compute_loss(torch.zeros(minibatch_size, self.obs_size, device=self.device),
-                                                actions, zeros, zeros + 1, zeros, zeros)
-            loss.backward()
-            self.trainer.optimizer.zero_grad()
-        except Exception as error:
-            for network, forward in zip(networks, eager_forwards):
-                network.forward = forward
-            self.trainer.compute_loss = eager_loss
-            print(f"warning: torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0]}); "
-                  f"running eagerly", file=sys.stderr)
-
-    def start_workers(self):
-        """Create the Games: num_workers child processes with a Game of num_envs / num_workers envs each
-        (or one Game of all envs here with --num-workers 0). Observations land in one [num_envs, obs_size]
-        array that the trainer reads as a tensor without copying."""
-        config = self.config
-        shape = (config.num_envs, self.obs_size)
-        if config.num_workers == 0:
-            self.obs_array = np.zeros(shape, dtype=np.float32)
-        else:
-            self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
-            self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
-        games_per_worker = config.num_envs // max(config.num_workers, 1)
-        for index in range(max(config.num_workers, 1)):
-            first = index * games_per_worker
-            seed = config.seed + self.ranks.rank * config.num_envs + first
-            worker = Worker(index, config.env, seed, self.obs_array[first:first + games_per_worker],
-                            in_process=config.num_workers == 0,
-                            inherited_trainer_ends=[w.trainer_end for w in self.workers])
-            worker.first = first
-            self.workers.append(worker)
-        if self.shared_obs is not None:
-            # The children have the memory mapped now, so its name is no longer needed: unlinking it at
-            # once means no segment is ever left behind in /dev/shm, however this process ends.
-            self.shared_obs.unlink()
-        self.obs_tensor = torch.from_numpy(self.obs_array)
-
-    def stop_workers(self):
-        for worker in self.workers:
-            worker.close()
-        self.workers = []
-        if self.shared_obs is not None:
-            self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
-            self.shared_obs.close()
-            self.shared_obs = None
-
-    def step_envs(self, actions: np.ndarray):
-        """Step every game: send all workers their actions first, then collect, so children run in
-        parallel. Returns rewards, terminated, truncated ([num_envs] each) and two dicts keyed by env
-        index: final observations of ended episodes and statistics of ended games."""
-        for worker in self.workers:
-            worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
-        results = [worker.receive() for worker in self.workers]
-        if len(results) == 1:
-            return results[0]
-        final_obs, episodes = {}, {}
-        for worker, (_, _, _, worker_final_obs, worker_episodes) in zip(self.workers, results):
-            final_obs.update({worker.first + i: obs for i, obs in worker_final_obs.items()})
-            episodes.update({worker.first + i: episode for i, episode in worker_episodes.items()})
-        rewards, terminated, truncated = (np.concatenate(parts) for parts in list(zip(*results))[:3])
-        return rewards, terminated, truncated, final_obs, episodes
-
-    # ----- training -------------------------------------------------------------------------------
-
-    def train(self) -> dict:
-        config = self.config
-        checkpoint = load_checkpoint(config.resume) if config.resume else None
-        if checkpoint is not None:
-            config = resumed_config(checkpoint, config)
-        self.start_time = time.perf_counter()  # setup counts: it holds the compilation, if any
-        self.setup(config, checkpoint)
-        config = self.config
-        self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None  # rank 0 logs for all
         self.recent_returns, self.recent_lengths = deque(maxlen=100), deque(maxlen=100)
         self.episodes = 0
         self.solved_step = self.solved_seconds = None
@@ -851,110 +1040,46 @@ class Main:
         self.first_update_end = None  # (time, step) once the first update is done
         self.last_print = 0.0
         self.checkpoint_path = self.run_dir / "checkpoint.pt"
-        last_checkpoint_step = self.global_step
-        failure = None
-        try:
-            self.start_workers()
-            self.allocate_rollout()
-            next_obs = self.obs_tensor.to(self.device)
-            while self.global_step < config.total_timesteps:
-                self.anneal_learning_rate()
-                next_obs = self.collect_rollout(next_obs)
-                if self.solved_step is not None:
-                    break  # solved in the middle of a rollout: stop at once, the policy is good enough
-                learner_before = copy.deepcopy(self.learner_state())  # to fall back on if the update fails
-                try:
-                    stats = self.update(next_obs)
-                    if not all(math.isfinite(v) for v in stats.values()):
-                        raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
-                                            f"({', '.join(f'{k}={v}' for k, v in stats.items())}); stopped "
-                                            f"with the weights of the update before")
-                except (NonFiniteLoss, RankError):  # (a RankError: a rank died in the middle of the update)
-                    self.restore(learner_before)
-                    raise
-                self.updates += 1
-                if self.first_update_end is None:
-                    self.first_update_end = (time.perf_counter(), self.global_step)
-                self.log_update(stats)
-                if self.global_step - last_checkpoint_step >= config.checkpoint_every:
-                    self.save_checkpoint()
-                    last_checkpoint_step = self.global_step
-        except Interrupted:
-            self.interrupted = True
-        except (WorkerError, NonFiniteLoss, RankError) as error:
-            failure = error
-        finally:
-            self.stop_workers()
-        if failure is None:  # then all ranks are here together: check that they trained the same network
-            try:
-                self.ranks.check_same(self.model.state_dict().values())
-            except RankError as error:
-                failure = error
-        self.save_checkpoint()
-        summary = self.write_summary()
-        if self.writer is not None:
-            self.writer.close()
-            self.print_progress(final=True)
-        if failure is not None:
-            raise failure
-        return summary
 
-    def allocate_rollout(self):
-        """The rollout buffer: one row per step and env, on the training device."""
-        shape, device = (self.config.num_steps, self.config.num_envs), self.device
-        self.rollout_obs = torch.zeros(shape + (self.obs_size,), device=device)
-        self.rollout_actions = torch.zeros(shape + (len(self.action_dims),), dtype=torch.long, device=device)
-        self.rollout_log_probs = torch.zeros(shape, device=device)
-        self.rollout_values = torch.zeros(shape, device=device)
-        self.rollout_rewards = torch.zeros(shape, device=device)
-        self.rollout_dones = torch.zeros(shape, device=device)
+    def prepare_learner(self) -> int:
+        """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
+        and compile (--compile). Returns the global step to start from."""
+        main, config = self.main, self.config
+        main.global_step = 0
+        if self.checkpoint is not None:
+            restore_learner(main, self.checkpoint)
+            if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
+                torch.manual_seed(self.seed + main.global_step)
+        # The ranks start from the same weights, rank 0's; averaging the gradients keeps them so.
+        self.ranks.copy_from_rank_0(main.model.state_dict().values())
+        if config.compile:
+            compile_learner(main.model, main.trainer, config, self.obs_size, len(self.action_dims),
+                            self.device)
+        self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
+        self.last_checkpoint_step = main.global_step
+        self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None
+        return main.global_step
 
-    def anneal_learning_rate(self):
-        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the end,
-        set by the step at which each rollout starts, so that a resumed run continues the schedule."""
+    def start_games(self) -> WorkerPool:
+        """The games of this rank: game i of rank r is seeded with seed + r * num_envs + i."""
         config = self.config
-        if config.anneal_lr:
-            self.trainer.optimizer.lr = config.learning_rate * max(0.0, 1.0 - self.global_step / config.total_timesteps)
+        first_seed = config.seed + self.ranks.rank * config.num_envs
+        self.games = WorkerPool(config, self.obs_size, first_seed, self.device)
+        return self.games
 
-    @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster still
-    def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps in every game with the current policy, filling the rollout buffer.
-        Returns the observation after the last step."""
-        config = self.config
-        ended = []  # (global step, statistics) of the games that end, recorded after the rollout
-        for step in range(config.num_steps):
-            # Ctrl-C or SIGTERM: alone, stop at once; under torchrun, all ranks stop together after the rollout.
-            if self.stop_signal is not None and not self.ranks.distributed:
-                break
-            self.rollout_obs[step] = next_obs
-            actions, log_prob, value = self.model.act(next_obs)
-            self.rollout_actions[step] = actions
-            self.rollout_log_probs[step] = log_prob
-            self.rollout_values[step] = value
-            rewards, terminated, truncated, final_obs, episodes = self.step_envs(actions.cpu().numpy())
-            next_obs = self.obs_tensor.to(self.device)
-            rewards = torch.from_numpy(rewards).to(self.device)
-            # Truncation is not death: an episode cut by a time limit would have gone on, so its last
-            # reward gets the value of where it stood, gamma * V(final observation), added. Then the
-            # done flag below can cut GAE's sum for both kinds of endings (see compute_gae).
-            cut = [i for i in final_obs if truncated[i] and not terminated[i]]
-            if cut:
-                cut_obs = torch.from_numpy(np.stack([final_obs[i] for i in cut])).to(self.device)
-                rewards[cut] += config.gamma * self.model.value(cut_obs)
-            self.rollout_rewards[step] = rewards
-            self.rollout_dones[step] = torch.from_numpy(terminated | truncated).to(self.device)
-            self.global_step += config.num_envs * self.ranks.world_size
-            ended += [(self.global_step, episode) for episode in episodes.values()]
-        self.share_rollout(ended)
-        return next_obs
+    def stop_at_once(self) -> bool:
+        """Ctrl-C alone stops a rollout at once; under torchrun all ranks stop together after it."""
+        return self.stop_signal is not None and not self.ranks.distributed
 
-    def share_rollout(self, ended: list):
-        """Record the games that ended in the rollout, and stop (raise Interrupted) if asked to. Under
-        torchrun, this is where the ranks meet once per rollout: each learns the games of every rank and
-        whether any rank was asked to stop. All record the same games in the same order (by step, then by
-        rank), so they hold the same recent returns and take the same --target-return decision."""
+    def after_rollout(self, ended: list):
+        """Record the episodes that ended in the rollout, and stop (raise Interrupted) if asked to.
+        Under torchrun, this is where the ranks meet once per rollout: each learns the episodes of
+        every rank and whether any rank was asked to stop. All record the same episodes in the same
+        order (by step, then by rank), so they take the same --target-return decision."""
         shared = self.ranks.gather((ended, self.stop_signal))
-        for step, episode in sorted((game for games, _ in shared for game in games), key=lambda game: game[0]):
+        episodes = sorted((episode for rank_ended, _ in shared for episode in rank_ended),
+                          key=lambda step_and_episode: step_and_episode[0])
+        for step, episode in episodes:
             self.record_episode(episode, step)
         signals = [signum for _, signum in shared if signum is not None]
         if signals:
@@ -974,63 +1099,75 @@ class Main:
             self.solved_step = step
             self.solved_seconds = time.perf_counter() - self.start_time
 
-    def update(self, next_obs: torch.Tensor) -> dict:
-        """GAE over the rollout, then update_epochs passes of shuffled minibatches. Returns the mean
-        diagnostics of the update as floats (the only host sync of the update)."""
-        config = self.config
-        with torch.no_grad():
-            last_value = self.model.value(next_obs)
-        advantages = compute_gae(self.rollout_rewards, self.rollout_values, self.rollout_dones, last_value,
-                                 config.gamma, config.gae_lambda)
-        returns = advantages + self.rollout_values
-        batch = (self.rollout_obs.flatten(0, 1), self.rollout_actions.flatten(0, 1),
-                 self.rollout_log_probs.flatten(), advantages.flatten(), returns.flatten(),
-                 self.rollout_values.flatten())
-        batch_size = config.num_envs * config.num_steps
-        minibatch_size = batch_size // config.num_minibatches
-        totals, count = {}, 0
-        for epoch in range(config.update_epochs):
-            order = torch.randperm(batch_size, device=self.device)
-            for start in range(0, batch_size, minibatch_size):
-                indices = order[start:start + minibatch_size]
-                stats = self.trainer.update(*(tensor[indices] for tensor in batch))
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach()
-                count += 1
-            # Early stop (37 details, #12, optional): once the policy has moved too far from the one that
-            # collected the data, further epochs would only push it beyond the trust region. (Under torchrun,
-            # by the mean KL of the ranks, so that all stop after the same epoch.)
-            if config.target_kl is not None and self.ranks.mean([stats["approx_kl"].item()])[0] > config.target_kl:
-                break
-        stats = {key: (value / count).item() for key, value in totals.items()}
-        # Explained variance: 1 means the value function predicts the returns perfectly, 0 not at all.
-        # A constant return (e.g. all episodes alike) leaves nothing to explain: 0.
-        returns_variance = returns.var().item()
-        stats["explained_variance"] = (0.0 if returns_variance == 0 else
-                                       1 - (returns - self.rollout_values).var().item() / returns_variance)
-        # Under torchrun, the means over the ranks: rank 0 logs those of the global batch, and all ranks see
-        # the same values when train() checks them for NaN.
-        return dict(zip(stats, self.ranks.mean(list(stats.values()))))
+    def after_update(self, stats: dict):
+        """Stop on a non-finite loss; else count the update, log it, and save when due."""
+        main = self.main
+        if not all(math.isfinite(v) for v in stats.values()):
+            values = ", ".join(f"{key}={value}" for key, value in stats.items())
+            raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
+                                f"({values}); stopped with the weights of the update before")
+        self.updates += 1
+        if self.first_update_end is None:
+            self.first_update_end = (time.perf_counter(), main.global_step)
+        self.log_update(stats)
+        if main.global_step - self.last_checkpoint_step >= self.config.checkpoint_every:
+            save_checkpoint(learner_state(main), self.checkpoint_path, self.ranks)
+            self.last_checkpoint_step = main.global_step
+        self.last_good_learner = copy.deepcopy(learner_state(main))
 
-    # ----- logging, checkpoints, summary -----------------------------------------------------------
+    def __exit__(self, kind, error, traceback) -> bool:
+        """Close the games, and unless the error is one a run cannot save from (bad input, a bug),
+        save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
+        failure is raised again once everything is saved."""
+        try:
+            if self.games is not None:
+                self.games.close()
+            if kind is not None and not issubclass(kind, (Interrupted, *FAILURES)):
+                return False
+            self.interrupted = kind is Interrupted
+            failure = error if isinstance(error, FAILURES) else None
+            if isinstance(error, (NonFiniteLoss, RankError)):  # the update may be half done
+                restore_learner(self.main, self.last_good_learner)
+            if failure is None:  # all ranks are here together: check they trained the same network
+                try:
+                    self.ranks.check_same(self.main.model.state_dict().values())
+                except RankError as mismatch:
+                    failure = mismatch
+            save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
+            self.summary = self.write_summary()
+            if self.writer is not None:
+                self.writer.close()
+                self.print_progress(final=True)
+            if failure is not None and failure is not error:
+                raise failure
+            return failure is None  # a failure propagates; Ctrl-C does not
+        finally:
+            self.give_back()
 
-    def steady_speed(self) -> typing.Optional[float]:
+    def give_back(self):
+        """Restore what the run changed in this process: signal handlers, torch's thread count."""
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
+        self.previous_handlers = {}
+        torch.set_num_threads(self.previous_threads)
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def steady_speed(self) -> Optional[float]:
         """Steps per second since the end of the first update (which holds one-time costs)."""
         if self.first_update_end is None:
             return None
         end_time, end_step = self.first_update_end
-        elapsed = time.perf_counter() - end_time
-        return (self.global_step - end_step) / elapsed if elapsed > 0 and self.global_step > end_step else None
+        elapsed, steps = time.perf_counter() - end_time, self.main.global_step - end_step
+        return steps / elapsed if elapsed > 0 and steps > 0 else None
 
     def log_update(self, stats: dict):
-        step, writer = self.global_step, self.writer
+        step, writer = self.main.global_step, self.writer
         if writer is None:
             return  # under torchrun, rank 0 logs and prints for all
         for key, value in stats.items():
-            if key != "grad_norm":
-                writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("losses/grad_norm", stats["grad_norm"], step)
-        writer.add_scalar("charts/learning_rate", self.trainer.optimizer.lr, step)
+            writer.add_scalar(f"losses/{key}", value, step)
+        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
         speed = self.steady_speed()
         if speed is not None:
             writer.add_scalar("charts/steps_per_second", speed, step)
@@ -1039,59 +1176,20 @@ class Main:
 
     def print_progress(self, final: bool = False):
         self.last_print = time.perf_counter()
-        total = self.config.total_timesteps
-        speed = self.steady_speed() or self.global_step / max(self.last_print - self.start_time, 1e-9)
-        eta = time.strftime("%H:%M:%S", time.gmtime(max(total - self.global_step, 0) / max(speed, 1e-9)))
+        total, step = self.config.total_timesteps, self.main.global_step
+        speed = self.steady_speed() or step / max(self.last_print - self.start_time, 1e-9)
+        eta = time.strftime("%H:%M:%S", time.gmtime(max(total - step, 0) / max(speed, 1e-9)))
         mean = lambda values: f"{np.mean(values):.1f}" if values else "-"
-        print(f"step {self.global_step:,}/{total:,} ({100 * self.global_step / total:.1f}%) | "
-              f"{speed:,.0f} steps/s | eta {eta} | return {mean(self.recent_returns)} | "
+        print(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | {speed:,.0f} steps/s | "
+              f"eta {eta} | return {mean(self.recent_returns)} | "
               f"length {mean(self.recent_lengths)} | updates {self.updates}"
               + (" | done" if final else ""), flush=True)
 
-    def learner_state(self) -> dict:
-        """Everything needed to continue learning: only tensors, numbers, strings, lists and dicts, so
-        that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code)."""
-        state = {
-            "script": SCRIPT, "env": self.config.env, "obs_size": self.obs_size,
-            "action_dims": self.action_dims, "binary": self.binary,
-            "config": dataclasses.asdict(self.config),
-            "model": self.model.state_dict(), "optimizer": self.trainer.optimizer.state_dict(),
-            "global_step": self.global_step, "updates": self.updates,
-            "rng": {"torch": torch.get_rng_state()},
-        }
-        return state
-
-    def restore(self, state: dict):
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as error:
-            raise UsageError(f"the checkpoint's network does not fit {self.config.env} with hidden size "
-                             f"{self.config.hidden_size}: {str(error).splitlines()[-1].strip()}") from None
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
-        self.global_step, self.updates = int(state["global_step"]), int(state["updates"])
-        torch.set_rng_state(state["rng"]["torch"])
-
-    def save_checkpoint(self):
-        """Write to a temporary file, then rename: a crash or a full disk never leaves half a checkpoint,
-        and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold the same learner)."""
-        if self.ranks.rank != 0:
-            return
-        temporary = self.checkpoint_path.with_suffix(".tmp")
-        try:
-            torch.save(self.learner_state(), temporary)
-            os.replace(temporary, self.checkpoint_path)
-        except OSError as error:
-            temporary.unlink(missing_ok=True)
-            kept = "the previous checkpoint is kept" if self.checkpoint_path.exists() else "no checkpoint"
-            print(f"warning: could not write {self.checkpoint_path} ({os.strerror(error.errno) if error.errno else error}); "
-                  f"{kept}", file=sys.stderr)
-
     def write_summary(self) -> dict:
-        now = time.perf_counter()
-        speed = self.steady_speed()
+        now, speed = time.perf_counter(), self.steady_speed()
         summary = {
             "script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
-            "steps": self.global_step,
+            "steps": self.main.global_step,
             "seconds": round(now - self.start_time, 3),
             "warmup_seconds": (round(self.first_update_end[0] - self.start_time, 3)
                                if self.first_update_end else None),
@@ -1100,7 +1198,8 @@ class Main:
             "mean_return_100": float(np.mean(self.recent_returns)) if self.recent_returns else None,
             "target_return": self.config.target_return,
             "solved_step": self.solved_step,
-            "solved_seconds": round(self.solved_seconds, 3) if self.solved_seconds is not None else None,
+            "solved_seconds": (round(self.solved_seconds, 3) if self.solved_seconds is not None
+                               else None),
             "interrupted": self.interrupted,
             "checkpoint": str(self.checkpoint_path) if self.checkpoint_path.exists() else None,
             "world_size": self.ranks.world_size,
@@ -1113,63 +1212,171 @@ class Main:
             print(f"warning: could not write summary.json ({error})", file=sys.stderr)
         return summary
 
-    # ----- evaluation -----------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Play --eval-episodes whole games with a checkpoint's policy and report the real score."""
-        checkpoint = load_checkpoint(self.config.eval)
-        config = resumed_config(checkpoint, self.config)
-        check_settings(config)
-        if config.eval_episodes <= 0:
-            raise UsageError("--eval-episodes must be positive")
-        self.obs_size, self.action_dims, self.binary = inspect_env(config.env)
-        model = Model(self.obs_size, self.action_dims, self.binary, config.hidden_size)
-        model.load_state_dict(checkpoint["model"])
-        torch.manual_seed(config.seed)
-        run_dir = Path(self.config.run_dir) if self.config.run_dir else Path(config.eval).parent
-        game = Game(config.env, config.seed, num_envs=1, render_mode="rgb_array" if config.video else None)
-        video = None
-        obs = game.reset()
-        returns = []
-        try:
-            while len(returns) < config.eval_episodes:
-                if config.video:
-                    video = write_frame(video, game, run_dir / "eval.mp4")
-                actions, _, _ = model.act(torch.from_numpy(obs), greedy=config.greedy)
-                obs, _, _, _, info = game.step(actions.numpy())
-                if "episode" in info:
-                    returns.append(float(info["episode"]["return"][0]))
-        finally:
-            game.close()
-            if video is not None:
-                video.release()
-        mean, std = float(np.mean(returns)), float(np.std(returns))
-        how = "greedy" if config.greedy else "sampled"
-        print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {len(returns)} episodes ({how} actions)")
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 when the value function predicts the returns perfectly, 0 when not at all. A constant
+    return (e.g. all episodes alike) leaves nothing to explain: 0."""
+    returns_variance = returns.var().item()
+    unexplained = (returns - values).var().item()
+    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
+
+
+def make_writer(run_dir: Path, config: Config):
+    """TensorBoard writer, with the hyperparameters as a text table."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run_dir))
+    rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
+    return writer
+
+
+# ----- Checkpoints --------------------------------------------------------------------------------
+
+
+def learner_state(main: Main) -> dict:
+    """Everything needed to continue learning: only tensors, numbers, strings, lists and dicts, so
+    that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code)."""
+    guard = main.guard
+    return {
+        "script": SCRIPT, "env": main.config.env, "obs_size": guard.obs_size,
+        "action_dims": guard.action_dims, "binary": guard.binary,
+        "config": dataclasses.asdict(main.config),
+        "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
+        "global_step": main.global_step, "updates": guard.updates,
+        "rng": {"torch": torch.get_rng_state()},
+    }
+
+
+def restore_learner(main: Main, state: dict):
+    try:
+        main.model.load_state_dict(state["model"])
+    except RuntimeError as error:
+        raise UsageError(f"the checkpoint's network does not fit {main.config.env} with hidden "
+                         f"size {main.config.hidden_size}: "
+                         f"{str(error).splitlines()[-1].strip()}") from None
+    main.trainer.optimizer.load_state_dict(state["optimizer"])
+    main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
+    torch.set_rng_state(state["rng"]["torch"])
+
+
+def save_checkpoint(state: dict, path: Path, ranks: Ranks):
+    """Write to a temporary file, then rename: a crash or a full disk never leaves half a
+    checkpoint, and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold
+    the same learner)."""
+    if ranks.rank != 0:
+        return
+    temporary = path.with_suffix(".tmp")
+    try:
+        torch.save(state, temporary)
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        kept = "the previous checkpoint is kept" if path.exists() else "no checkpoint"
+        reason = os.strerror(error.errno) if error.errno else error
+        print(f"warning: could not write {path} ({reason}); {kept}", file=sys.stderr)
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+    if not Path(path).is_file():
+        raise UsageError(f"checkpoint {path} not found")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise UsageError(f"{path} is not a readable checkpoint (truncated or corrupt?): "
+                         f"{type(error).__name__}") from None
+    if not isinstance(checkpoint, dict) or "script" not in checkpoint:
+        raise UsageError(f"{path} is not a checkpoint of this library")
+    if checkpoint["script"] != SCRIPT:
+        raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
+                         f"use that script")
+    return checkpoint
+
+
+def resumed_config(checkpoint: dict, given: Config) -> Config:
+    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
+    differently from their defaults now (e.g. a new --total-timesteps). A different env or network
+    is refused."""
+    fields = dataclasses.fields(Config)
+    saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
+    config = Config(**saved)
+    for f in fields:
+        value = getattr(given, f.name)
+        if value != f.default:
+            if f.name in ("env", "hidden_size") and value != saved.get(f.name):
+                raise UsageError(f"the checkpoint was trained with --{f.name.replace('_', '-')} "
+                                 f"{saved.get(f.name)}, not {value}")
+            config = dataclasses.replace(config, **{f.name: value})
+    return config
+
+
+# ----- Evaluation and video -----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate_checkpoint(given: Config) -> dict:
+    """--eval: play --eval-episodes games with a checkpoint's policy and report the return."""
+    checkpoint = load_checkpoint(given.eval)
+    config = resumed_config(checkpoint, given)
+    check_settings(config)
+    if config.eval_episodes <= 0:
+        raise UsageError("--eval-episodes must be positive")
+    obs_size, action_dims, binary = inspect_env(config.env)
+    model = Model(obs_size, action_dims, binary, config.hidden_size)
+    model.load_state_dict(checkpoint["model"])
+    torch.manual_seed(config.seed)
+    run_dir = Path(given.run_dir) if given.run_dir else Path(config.eval).parent
+    game = Game(config.env, config.seed, num_envs=1,
+                render_mode="rgb_array" if config.video else None)
+    video = None
+    obs = game.reset()
+    returns = []
+    try:
+        while len(returns) < config.eval_episodes:
+            if config.video:
+                video = write_frame(video, game, run_dir / "eval.mp4")
+            actions, _, _ = model.act(torch.from_numpy(obs), greedy=config.greedy)
+            obs, _, _, _, info = game.step(actions.numpy())
+            if "episode" in info:
+                returns.append(float(info["episode"]["return"][0]))
+    finally:
+        game.close()
         if video is not None:
-            print(f"video: {run_dir / 'eval.mp4'}")
-        return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
-                "std_return": std, "returns": returns, "greedy": config.greedy,
-                "video": str(run_dir / "eval.mp4") if video is not None else None}
+            video.release()
+    mean, std = float(np.mean(returns)), float(np.std(returns))
+    how = "greedy" if config.greedy else "sampled"
+    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {len(returns)} episodes "
+          f"({how} actions)")
+    if video is not None:
+        print(f"video: {run_dir / 'eval.mp4'}")
+    return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
+            "std_return": std, "returns": returns, "greedy": config.greedy,
+            "video": str(run_dir / "eval.mp4") if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
-    """Append the game's current picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
+    """Append the game's current picture to the mp4 (OpenCV's VideoWriter, opened at the first
+    frame)."""
     import cv2  # only --video needs OpenCV
 
     frame = game.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fps = game.envs.metadata.get("render_fps", 30)
-        video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (frame.shape[1], frame.shape[0]))
+        video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps,
+                                (frame.shape[1], frame.shape[0]))
         if not video.isOpened():
             raise UsageError(f"OpenCV cannot write {path}")
     video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
     return video
 
 
-# ----- checking the input ---------------------------------------------------------------------------
+# ----- Checking the input -------------------------------------------------------------------------
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
 
 
 def check_settings(config: Config):
@@ -1177,23 +1384,26 @@ def check_settings(config: Config):
     for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
                  "hidden_size", "checkpoint_every"):
         if getattr(config, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, not "
+                             f"{getattr(config, name)}")
     if config.num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 (games in this process) or more, not {config.num_workers}")
+        raise UsageError(f"--num-workers must be 0 (games in this process) or more, not "
+                         f"{config.num_workers}")
     if config.num_workers and config.num_envs % config.num_workers:
-        raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs {config.num_envs}")
+        raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
+                         f"{config.num_envs}")
     batch_size = config.num_envs * config.num_steps
     if batch_size % config.num_minibatches:
-        raise UsageError(f"the batch of {batch_size} steps (--num-envs x --num-steps) does not split into "
-                         f"--num-minibatches {config.num_minibatches}")
+        raise UsageError(f"the batch of {batch_size} steps (--num-envs x --num-steps) does not "
+                         f"split into --num-minibatches {config.num_minibatches}")
     if batch_size // config.num_minibatches < 2:
-        raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot be normalised: "
-                         f"raise --num-envs or --num-steps, or lower --num-minibatches")
+        raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot be "
+                         f"normalised: raise --num-envs or --num-steps, or lower --num-minibatches")
 
 
 def inspect_env(env_id: str):
-    """Check that the env exists and that this script can play it. Returns (observation size, number of
-    choices of each action dimension, whether the actions are binary)."""
+    """Check that the env exists and that this script can play it. Returns (observation size,
+    number of choices of each action dimension, whether the actions are binary)."""
     if env_id not in gym.registry:
         try:
             import ale_py  # registers the Atari ids, to tell the user where those belong
@@ -1204,7 +1414,8 @@ def inspect_env(env_id: str):
         if env_id in gym.registry:
             raise UsageError(f"{env_id} is an Atari game: use ppo_atari.py")
         close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
-        hint = f"; did you mean {' or '.join(close)}?" if close else "; see gymnasium.pprint_registry()"
+        hint = (f"; did you mean {' or '.join(close)}?" if close
+                else "; see gymnasium.pprint_registry()")
         raise UsageError(f"unknown env {env_id!r}{hint}")
     try:
         env = gym.make(env_id)
@@ -1213,19 +1424,21 @@ def inspect_env(env_id: str):
     obs_space, action_space = env.observation_space, env.action_space
     env.close()
     if not isinstance(obs_space, gym.spaces.Box):
-        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; this script needs a Box "
-                         f"(a vector of numbers)")
+        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; this "
+                         f"script needs a Box (a vector of numbers)")
     if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
-        raise UsageError(f"{env_id} observes images {obs_space.shape}: use ppo_atari.py, which has a CNN")
+        raise UsageError(f"{env_id} observes images {obs_space.shape}: use ppo_atari.py, which "
+                         f"has a CNN")
+    obs_size = int(np.prod(obs_space.shape))
     if isinstance(action_space, gym.spaces.Discrete):
-        return int(np.prod(obs_space.shape)), [int(action_space.n)], False
+        return obs_size, [int(action_space.n)], False
     if isinstance(action_space, gym.spaces.MultiDiscrete):
-        return int(np.prod(obs_space.shape)), [int(n) for n in action_space.nvec.reshape(-1)], False
+        return obs_size, [int(n) for n in action_space.nvec.reshape(-1)], False
     if isinstance(action_space, gym.spaces.MultiBinary):
-        return int(np.prod(obs_space.shape)), [2] * int(np.prod(action_space.shape)), True
-    raise UsageError(f"{env_id} has a {action_space} action space; this script handles Discrete, MultiDiscrete "
-                     f"and MultiBinary actions (continuous Box actions need a Gaussian policy, planned as "
-                     f"ppo_continuous.py)")
+        return obs_size, [2] * int(np.prod(action_space.shape)), True
+    raise UsageError(f"{env_id} has a {action_space} action space; this script handles Discrete, "
+                     f"MultiDiscrete and MultiBinary actions (continuous Box actions need a "
+                     f"Gaussian policy, planned as ppo_continuous.py)")
 
 
 def pick_device(name: str) -> torch.device:
@@ -1243,58 +1456,20 @@ def pick_device(name: str) -> torch.device:
 
 
 def make_run_dir(config: Config) -> Path:
-    run_dir = Path(config.run_dir or f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}")
+    default = f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}"
+    run_dir = Path(config.run_dir or default)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
-        raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}") from None
+        reason = error.strerror or error
+        raise UsageError(f"cannot write to --run-dir {run_dir}: {reason}") from None
     return run_dir
 
 
-def make_writer(run_dir: Path, config: Config):
-    """TensorBoard writer, with the hyperparameters as a text table."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir))
-    rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    return writer
-
-
-def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
-    if not Path(path).is_file():
-        raise UsageError(f"checkpoint {path} not found")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise UsageError(f"{path} is not a readable checkpoint (truncated or corrupt?): {type(error).__name__}") from None
-    if not isinstance(checkpoint, dict) or "script" not in checkpoint:
-        raise UsageError(f"{path} is not a checkpoint of this library")
-    if checkpoint["script"] != SCRIPT:
-        raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: use that script")
-    return checkpoint
-
-
-def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given differently from
-    their defaults now (e.g. a new --total-timesteps). A different env or network is refused."""
-    saved = {f.name: checkpoint["config"][f.name] for f in dataclasses.fields(Config) if f.name in checkpoint["config"]}
-    config = Config(**saved)
-    for f in dataclasses.fields(Config):
-        value = getattr(given, f.name)
-        if value != f.default:
-            if f.name in ("env", "hidden_size") and value != saved.get(f.name):
-                raise UsageError(f"the checkpoint was trained with --{f.name.replace('_', '-')} "
-                                 f"{saved.get(f.name)}, not {value}")
-            config = dataclasses.replace(config, **{f.name: value})
-    return config
-
-
-# ----- command line ---------------------------------------------------------------------------------
+# ----- The command line ---------------------------------------------------------------------------
 
 
 def parse_config(argv=None) -> Config:
@@ -1303,23 +1478,33 @@ def parse_config(argv=None) -> Config:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kind = next(t for t in (bool, int, float, str) if t is f.type or t in typing.get_args(f.type))
+        kind = next(t for t in (bool, int, float, str)
+                    if t is f.type or t in typing.get_args(f.type))
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
         else:
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
     return Config(**vars(parser.parse_args(argv)))
 
 
-if __name__ == "__main__":
-    main = Main(parse_config())
+def command_line(argv=None) -> int:
+    """Run as a command; returns the exit status: 0, 1 after a failure, 2 for bad input, 128 + the
+    signal after Ctrl-C or SIGTERM."""
+    main = Main(parse_config(argv))
     try:
         main.run()
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except (WorkerError, NonFiniteLoss, RankError) as error:
-        print(f"error: {error}; the checkpoint of the last finished update is kept", file=sys.stderr)
-        sys.exit(1)
-    if main.stop_signal is not None:
-        sys.exit(128 + main.stop_signal)
+        return 2
+    except FAILURES as error:
+        print(f"error: {error}; the checkpoint of the last finished update is kept",
+              file=sys.stderr)
+        return 1
+    stop_signal = main.guard.stop_signal if main.guard is not None else None
+    return 0 if stop_signal is None else 128 + stop_signal
+
+
+# A pasted notebook cell has no __file__: there, defining everything is all this file does.
+if __name__ == "__main__" and "__file__" in globals():
+    sys.exit(command_line())

@@ -1,6 +1,6 @@
 """One PPO minibatch update of ppo_atari.py, timed alone under each speed lever.
 
-What it measures: the milliseconds of `Trainer.update` (forward, loss, backward, gradient clip, Adam)
+What it measures: the milliseconds of `Trainer.gradient_step` (forward, loss, backward, gradient clip, Adam)
 on one minibatch of 256 random uint8 observations, after 3 warm-up updates (which hold any
 compilation), for eager vs channels-last weights vs torch.compile (default and max-autotune modes),
 1 vs 2 torch threads, and, for comparison only, bfloat16 autocast (a change of precision, which
@@ -38,15 +38,16 @@ def time_update(channels_last: bool, compiled, threads: int, bfloat16: bool = Fa
     if bfloat16:
         loss = trainer.compute_loss
         trainer.compute_loss = lambda *args: torch.autocast("cpu", dtype=torch.bfloat16)(loss)(*args)
-    batch = (torch.randint(0, 256, (MINIBATCH, 4, 84, 84), dtype=torch.uint8), torch.randint(0, 4, (MINIBATCH,)),
-             torch.randn(MINIBATCH) - 1.4, torch.randn(MINIBATCH), torch.randn(MINIBATCH), torch.randn(MINIBATCH))
+    batch = ppo_atari.Minibatch(torch.randint(0, 256, (MINIBATCH, 4, 84, 84), dtype=torch.uint8),
+                                torch.randint(0, 4, (MINIBATCH,)), torch.randn(MINIBATCH) - 1.4,
+                                torch.randn(MINIBATCH), torch.randn(MINIBATCH), torch.randn(MINIBATCH))
     start = time.perf_counter()
     for _ in range(3):
-        trainer.update(*batch)
+        trainer.gradient_step(batch)
     warm_up = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(REPEATS):
-        trainer.update(*batch)
+        trainer.gradient_step(batch)
     return (time.perf_counter() - start) / REPEATS * 1000, warm_up
 
 

@@ -553,8 +553,8 @@ def play_both(env_id: str, steps: int, seed: int = 4, stop_at_life_loss: bool = 
     Returns the counts of training episodes and games that ended, and, with `stop_at_life_loss`, the
     last results of both at the first life loss."""
     game = pa.Game(env_id, seed, noop_max=0)
-    obs_out = np.zeros((1, 4, 84, 84), dtype=np.uint8)
-    vector = pa.VectorGames(env_id, [seed], obs_out, noop_max=0)
+    vector = pa.VectorGames(env_id, [seed], noop_max=0)
+    obs_out = vector.obs_array
     obs = game.reset()
     np.testing.assert_array_equal(obs_out[0], obs)
     rng = np.random.default_rng(seed)
@@ -618,8 +618,8 @@ def test_after_a_life_loss_the_vector_env_plays_on_where_the_game_restarts():
 
 def test_the_vector_env_presses_fire_for_one_frame_at_a_reset():
     # The other named difference: the Game presses FIRE then 2 for 4 frames each (FireResetEnv).
-    obs_out = np.zeros((1, 4, 84, 84), dtype=np.uint8)
-    vector = pa.VectorGames(BREAKOUT, [5], obs_out, noop_max=0)
+    vector = pa.VectorGames(BREAKOUT, [5], noop_max=0)
+    obs_out = vector.obs_array
     reference = ReferenceALE("breakout", 0.0)
     reference.ale.setInt("random_seed", 5)
     reference.ale.loadROM(ale_py.roms.get_rom_path("breakout"))

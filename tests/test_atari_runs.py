@@ -43,8 +43,8 @@ def test_model_and_trainer_learn_a_pixel_task():
         # one-step episodes: the return is the reward, the advantage is reward - value (GAE with done=1)
         for _ in range(2):
             for half in (slice(0, 64), slice(64, 128)):
-                trainer.update(obs[half], actions[half], log_prob[half], (reward - value)[half], reward[half],
-                               value[half])
+                trainer.gradient_step(pa.Minibatch(obs[half], actions[half], log_prob[half],
+                                                   (reward - value)[half], reward[half], value[half]))
     obs, right = patch_task(256, generator)
     with torch.no_grad():
         greedy, _, value = model.act(obs, greedy=True)
@@ -119,35 +119,29 @@ def test_a_cartpole_checkpoint_is_refused(tmp_path):
     assert "was written by ppo_cartpole.py, not ppo_atari.py" in result.stderr
 
 
-def prepared_main(tmp_path, **settings):
-    """A Main set up for calling its rollout methods directly, as train() would."""
-    main = pa.Main(pa.Config(run_dir=str(tmp_path), num_workers=0, compile=False, **settings))
-    main.setup(main.config, None)
-    main.writer = pa.make_writer(main.run_dir, main.config)
-    main.recent_returns, main.recent_lengths, main.episodes, main.solved_step = [], [], 0, None
-    main.start_workers()
-    main.allocate_rollout()
-    return main
-
-
 @pytest.mark.parametrize("backend", ["game", "ale-vector"])  # ale-vector: stacks go on through a life loss
-def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundaries(tmp_path, backend):
-    main = prepared_main(tmp_path, num_envs=2, num_steps=100, env_backend=backend)
-    seen = []
-    act = main.model.act
-    main.model.act = lambda obs, greedy=False: (seen.append(obs.clone()), act(obs, greedy))[1]
-    next_obs = main.obs_tensor
-    boundaries = restarts = 0
-    for rollout in range(3):  # the later rollouts start from stacks that reach into the one before
+def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundaries(tmp_path, backend, monkeypatch):
+    seen, counts = [], []
+    act, learn = pa.Model.act, pa.Main.learn
+
+    def act_and_record(model, obs, greedy=False):
+        seen.append(obs.clone())
+        return act(model, obs, greedy)
+
+    def check_then_learn(main, advantages, returns):
+        # the later rollouts start from stacks that reach into the one before
+        rebuilt = main.rollout.stacks(torch.arange(100 * 2))
+        assert torch.equal(rebuilt, torch.stack(seen).flatten(0, 1)), f"rollout {len(counts)}"
+        counts.append((int(main.rollout.dones.sum()), int(main.rollout.restarts.sum())))
         seen.clear()
-        next_obs = main.collect_rollout(next_obs)
-        main.find_episode_starts()
-        rebuilt = main.stacks(torch.arange(100 * 2))
-        assert torch.equal(rebuilt, torch.stack(seen).flatten(0, 1)), f"rollout {rollout}"
-        boundaries += int(main.rollout_dones.sum())
-        restarts += int(main.rollout_restarts.sum())
-    main.stop_workers()
-    main.writer.close()
+        return learn(main, advantages, returns)
+
+    monkeypatch.setattr(pa.Model, "act", act_and_record)
+    monkeypatch.setattr(pa.Main, "learn", check_then_learn)
+    pa.Main(pa.Config(run_dir=str(tmp_path), num_workers=0, compile=False, num_envs=2, num_steps=100,
+                      total_timesteps=3 * 100 * 2, env_backend=backend)).run()
+    assert len(counts) == 3
+    boundaries, restarts = (sum(column) for column in zip(*counts))
     assert boundaries >= 4  # random Breakout play loses a life every few dozen steps...
     assert restarts >= 1  # ...and a game every 150 or so
     if backend == "game":
@@ -156,17 +150,15 @@ def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundarie
         assert restarts < boundaries  # only a game over does
 
 
-def test_the_rollout_buffer_stores_each_picture_once(tmp_path):
-    main = prepared_main(tmp_path, num_envs=2, num_steps=2048)
-    buffers = [value for name, value in vars(main).items() if name.startswith("rollout_")]
+def test_the_rollout_buffer_stores_each_picture_once():
+    rollout = pa.Rollout(pa.Config(num_envs=2, num_steps=2048), torch.device("cpu"))
+    buffers = [value for value in vars(rollout).values() if isinstance(value, torch.Tensor)]
     bytes_per_step = sum(tensor.nbytes for tensor in buffers) / (2048 * 2)
     assert bytes_per_step <= 7_100  # a float32 stack would be 112,896, a uint8 stack 28,224
-    main.stop_workers()
-    main.writer.close()
 
 
 def test_an_update_is_a_clipped_gradient_step_of_adam_with_eps_1e_5():
-    # Two Trainer.update calls against the textbook: the gradient of compute_loss, scaled to a global
+    # Two Trainer.gradient_step calls against the textbook: the gradient of compute_loss, scaled to a global
     # norm of at most max_grad_norm, then Adam (beta 0.9, 0.999, eps 1e-5, bias-corrected).
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(2)
@@ -183,7 +175,7 @@ def test_an_update_is_a_clipped_gradient_step_of_adam_with_eps_1e_5():
     for step in (1, 2):
         reference_model = pa.Model(num_actions=4)
         reference_model.load_state_dict(reference)
-        loss, _ = pa.Trainer(reference_model, config).compute_loss(*minibatch)
+        loss, _ = pa.Trainer(reference_model, config).compute_loss(pa.Minibatch(*minibatch))
         grads = dict(zip(reference, torch.autograd.grad(loss, list(reference_model.parameters()))))
         norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
         scale = min(1.0, config.max_grad_norm / (float(norm) + 1e-6))
@@ -195,7 +187,7 @@ def test_an_update_is_a_clipped_gradient_step_of_adam_with_eps_1e_5():
             step_size = config.learning_rate / (1 - 0.9 ** step)
             denominator = (second[name] / (1 - 0.999 ** step)).sqrt() + 1e-5
             reference[name] = reference[name] - step_size * first[name] / denominator
-        trainer.update(*minibatch)
+        trainer.gradient_step(pa.Minibatch(*minibatch))
     assert clipped >= 1  # the clip was exercised
     for name, p in model.named_parameters():
         assert torch.allclose(p.detach(), reference[name], rtol=1e-4, atol=1e-6), name
@@ -231,7 +223,7 @@ def test_compiled_and_eager_updates_give_the_same_loss_and_gradients():
     for model, compiled in ((eager_model, False), (compiled_model, True)):
         trainer = pa.Trainer(model, pa.Config())
         compute_loss = torch.compile(trainer.compute_loss) if compiled else trainer.compute_loss
-        loss, stats = compute_loss(obs, actions, old_log_prob, advantages, returns, old_value)
+        loss, stats = compute_loss(pa.Minibatch(obs, actions, old_log_prob, advantages, returns, old_value))
         loss.backward()
         results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results

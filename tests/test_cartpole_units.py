@@ -45,8 +45,9 @@ def ppo_loss(ratios, raw_advantages=(1.0, -1.0), **changes):
     old_log_prob = torch.zeros(2)
     new_value, old_value, returns = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 2.5]), torch.tensor([2.0, 2.0])
     entropy = torch.tensor([0.6, 0.8])
-    return pc.Trainer.loss(new_log_prob, old_log_prob, torch.tensor(raw_advantages), new_value, old_value,
-                           returns, entropy, config)
+    minibatch = pc.Minibatch(obs=None, actions=None, old_log_probs=old_log_prob,
+                             advantages=torch.tensor(raw_advantages), returns=returns, old_values=old_value)
+    return pc.Trainer.ppo_loss(minibatch, new_log_prob, entropy, new_value, config)
 
 
 # Advantages (1, -1) normalise to (+1/sqrt(2), -1/sqrt(2)) = (+-0.70711): mean 0, unbiased std sqrt(2).
@@ -108,7 +109,7 @@ def test_action_heads_match_torch_distributions(dims, binary):
     expected_log_prob = sum(dist.log_prob(actions[:, d].float() if binary else actions[:, d])
                             for d, dist in enumerate(reference))
     expected_entropy = sum(dist.entropy() for dist in reference)
-    new_log_prob, entropy, _ = model.evaluate(obs, actions)
+    new_log_prob, entropy, _ = model.evaluate_actions(obs, actions)
     assert torch.allclose(log_prob, expected_log_prob, atol=1e-5)
     assert torch.allclose(new_log_prob, expected_log_prob, atol=1e-5)
     assert torch.allclose(entropy, expected_entropy, atol=1e-5)
@@ -208,26 +209,32 @@ def test_cartpole_v0_keeps_its_time_limit():
 
 
 def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path):
-    # TestCount-v0 is truncated after 3 steps, when its observation is [3]
+    # TestCount-v0 is truncated after 3 steps, when its observation is [3]: one rollout of 7 steps
     main = pc.Main(pc.Config(env="TestCount-v0", num_envs=2, num_steps=7, total_timesteps=14,
-                             num_minibatches=1, run_dir=str(tmp_path)))
-    main.setup(main.config, None)
-    main.writer = pc.make_writer(main.run_dir, main.config)
-    main.recent_returns, main.recent_lengths, main.episodes = [], [], 0
-    main.solved_step = None
-    main.start_workers()
-    main.allocate_rollout()
-    main.collect_rollout(main.obs_tensor.clone())
-    main.stop_workers()
-    main.writer.close()
-    with torch.no_grad():
-        final_value = main.model.value(torch.tensor([[3.0]])).item()
-    dones = main.rollout_dones[:, 0].tolist()
+                             num_minibatches=1, update_epochs=1, run_dir=str(tmp_path)))
+    values_of_final_obs = []
+    value = pc.Model.value
+
+    def value_recording_final_obs(model, obs):
+        values = value(model, obs)
+        if (obs == 3).all():  # a final observation: the policy itself never sees [3] (reset first)
+            values_of_final_obs.append((obs.tolist(), values.tolist()))
+        return values
+
+    pc.Model.value = value_recording_final_obs
+    try:
+        main.run()
+    finally:
+        pc.Model.value = value
+    dones = main.rollout.dones[:, 0].tolist()
     assert dones == [0, 0, 1, 0, 0, 1, 0]
+    # both envs end together, so each bootstrap is one call with both final observations [3]
+    assert [obs for obs, _ in values_of_final_obs] == [[[3.0], [3.0]]] * 2
     gamma = main.config.gamma
-    expected = [1, 1, 1 + gamma * final_value, 1, 1, 1 + gamma * final_value, 1]
-    assert main.rollout_rewards[:, 0].tolist() == pytest.approx(expected, abs=1e-6)
-    assert main.episodes == 4
+    first, second = values_of_final_obs[0][1][0], values_of_final_obs[1][1][0]
+    expected = [1, 1, 1 + gamma * first, 1, 1, 1 + gamma * second, 1]
+    assert main.rollout.rewards[:, 0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert main.guard.episodes == 4
 
 
 def test_inspect_env_describes_the_spaces():

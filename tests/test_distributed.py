@@ -121,16 +121,16 @@ sys.path.insert(0, {str(ROOT)!r})
 import torch
 import ppo_cartpole as pc
 
-update = pc.Main.update
+learn = pc.Main.learn
 
-def update_then_nudge_rank_1(self, next_obs):
-    stats = update(self, next_obs)
-    if self.ranks.rank == 1:
+def learn_then_nudge_rank_1(self, advantages, returns):
+    stats = learn(self, advantages, returns)
+    if self.guard.ranks.rank == 1:
         with torch.no_grad():
             self.model.critic[0].bias += 1e-6
     return stats
 
-pc.Main.update = update_then_nudge_rank_1
+pc.Main.learn = learn_then_nudge_rank_1
 try:
     pc.Main(pc.parse_config()).run()
 except pc.RankError as error:
@@ -252,12 +252,13 @@ def test_the_atari_games_of_rank_r_are_seeded_after_those_of_the_ranks_before(ba
         def close(self):
             pass
 
-    monkeypatch.setattr(pa, "VectorGames", lambda env_id, game_seeds, obs_out: seeds.extend(game_seeds))
+    monkeypatch.setattr(pa, "VectorGames", lambda env_id, game_seeds, device: seeds.extend(game_seeds))
     monkeypatch.setattr(pa, "Worker", Recorder)
-    main = pa.Main(pa.Config(seed=5, num_envs=4, num_workers=2, env_backend=backend))
-    main.device, main.ranks = torch.device("cpu"), types.SimpleNamespace(rank=2, world_size=3, distributed=True)
-    main.start_workers()
-    main.stop_workers()
+    guard = pa.RunGuard(pa.Main(pa.Config(seed=5, num_envs=4, num_workers=2, env_backend=backend)))
+    guard.device, guard.ranks = torch.device("cpu"), types.SimpleNamespace(rank=2, world_size=3, distributed=True)
+    games = guard.start_games()
+    if backend == "game":
+        games.close()
     assert seeds == [5 + 2 * 4 + i for i in range(4)]
 
 

@@ -231,7 +231,7 @@ def test_a_killed_trainer_leaves_no_worker_behind(script, tmp_path):
 @pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
 def test_a_non_finite_loss_stops_with_the_last_good_weights(script, tmp_path, monkeypatch):
     module = MODULES[script]
-    original = module.Model.evaluate
+    original = module.Model.evaluate_actions
     calls = {"n": 0}
 
     def evaluate_then_poison(self, obs, actions):
@@ -241,7 +241,7 @@ def test_a_non_finite_loss_stops_with_the_last_good_weights(script, tmp_path, mo
             value = value * float("nan")
         return log_prob, entropy, value
 
-    monkeypatch.setattr(module.Model, "evaluate", evaluate_then_poison)
+    monkeypatch.setattr(module.Model, "evaluate_actions", evaluate_then_poison)
     small = {"ppo_cartpole": dict(num_envs=8, num_steps=16, update_epochs=4),
              "ppo_atari": dict(num_envs=2, num_steps=32)}[script]
     config = module.Config(total_timesteps=10 * BATCH[script], num_workers=0, num_minibatches=2, compile=False,
