@@ -782,11 +782,24 @@ class VectorGames(Engine):
     (`episodic_life=False`).
     With same-step autoreset, an ended game's next observation is already the new game's first.
 
-    What cannot be configured away (tests/test_atari_game.py steps both with the same actions and
+    Two things the vector env does not do, it is made to do here:
+    - Serve after a lost life. It presses FIRE only when a game starts, so in Breakout the ball
+      would not come back until the agent learnt to press FIRE, and the waiting steps would earn
+      nothing. The Game serves, as FireResetEnv does; here, in the games that need FIRE, the step
+      after a lost life sends FIRE to the emulator in place of the policy's action. That step is
+      stored and scored with the action the policy sampled, and rightly so: for the game, every
+      action at that state does the same (serve), so the sampled action and its log-probability are
+      still exactly what the policy did there, and its advantage favours no action over another.
+    - Tell game over from a lost life by the emulator's frame counter: `episode_frame_number`
+      goes back when a new game starts. (Comparing lives would read a game that ends with more
+      lives than a new one starts with, after bonus lives, as a lost life.)
+
+    What cannot be made equal (tests/test_atari_game.py steps both with the same actions and
     checks everything else for equality):
-    - FIRE: the vector env presses FIRE for one frame at a reset and never after a life loss; the
-      Game presses FIRE then 2 for 4 frames each, at both (FireResetEnv). Agents learn to press
-      FIRE. (`episodic_life=True` is no way out: in ale-py 0.12.1 it restarts the whole game.)
+    - FIRE: the Game presses FIRE then 2 for 4 frames each, out of the agent's sight, at a reset
+      and after the NOOP step that follows a lost life (FireResetEnv); the vector env presses FIRE
+      for one frame at a reset, and here for one agent step after a lost life, a step the agent
+      sees (so a life costs one step more than with the Game).
     - After a life loss the vector env plays on: no NOOP step, and the frame stack goes on through
       the loss; the Game takes EpisodicLifeEnv's NOOP step and restarts its stack. So here a stack
       restarts only when a game ends (`restarted`), and the rollout buffer rebuilds stacks so.
@@ -814,21 +827,24 @@ class VectorGames(Engine):
             autoreset_mode="SameStep")
         obs, info = self.env.reset(seed=np.array(seeds))  # seeds only the first reset
         super().__init__(np.array(obs, dtype=np.uint8), device)
-        self.lives = info["lives"]
+        action_set = self.env.ale.get_action_set()  # FireResetEnv's test of a game that needs FIRE
+        self.needs_fire = len(action_set) >= 3 and action_set[1] == ale_py.Action.FIRE
+        self.serving = np.zeros(len(seeds), dtype=bool)  # a life was lost: FIRE on the next step
+        self.episode_frames = info["episode_frame_number"]
         self.episode_returns = np.zeros(len(seeds))
         self.episode_lengths = np.zeros(len(seeds), dtype=np.int64)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        """Step every game."""
-        obs, raw_rewards, terminated, truncated, info = self.env.step(actions)
+        """Step every game (serving with FIRE where a life was lost in the step before)."""
+        sent = np.where(self.serving, 1, actions) if self.needs_fire else actions
+        obs, raw_rewards, terminated, truncated, info = self.env.step(sent)
         self.obs_array[:] = obs
         self.episode_returns += raw_rewards
         self.episode_lengths += 1
-        # A termination is a life loss if the game went on with fewer lives, else the game is over
-        # and the env has already started a new one (with full lives, or 0 in games without lives).
-        game_over = terminated & (info["lives"] >= self.lives)
-        self.lives = info["lives"]
-        restarted = game_over | truncated
+        restarted, life_lost = self.endings(terminated, info["episode_frame_number"],
+                                            self.episode_frames)
+        self.episode_frames = info["episode_frame_number"]
+        self.serving = life_lost
         final_obs, episodes = {}, {}
         for i in np.flatnonzero(restarted):
             final_obs[i] = info["final_obs"][i]  # (after a life loss, obs goes on: no final_obs)
@@ -837,6 +853,15 @@ class VectorGames(Engine):
             self.episode_returns[i], self.episode_lengths[i] = 0.0, 0
         rewards = np.sign(raw_rewards).astype(np.float32)
         return StepResult(rewards, terminated, truncated, restarted, final_obs, episodes)
+
+    @staticmethod
+    def endings(terminated: np.ndarray, episode_frames: np.ndarray, previous_frames: np.ndarray):
+        """(restarted, life_lost), from the flags and the emulator's frame counter of each game:
+        a game that ended (game over, or cut by the frame limit) has already been replaced by a new
+        one, whose counter starts again near 0; a termination in a game that goes on is a lost
+        life."""
+        restarted = episode_frames <= previous_frames
+        return restarted, terminated & ~restarted
 
     def close(self):
         self.env.close()

@@ -665,3 +665,56 @@ def test_model_orthogonal_init_with_the_right_gains_and_zero_biases():
         assert torch.count_nonzero(layer.bias) == 0
     shapes = [tuple(layer.weight.shape) for layer, _ in expected]
     assert shapes == [(32, 4, 8, 8), (64, 32, 4, 4), (64, 64, 3, 3), (512, 3136), (4, 512), (1, 512)]
+
+
+# ----- 10. serving after a lost life, and telling game over from a lost life --------------------------
+
+
+def play_without_fire(backend: str, steps: int):
+    """Breakout with a policy that only ever sends NOOP: (lives lost, games over, steps played)."""
+    lives_lost = games = 0
+    if backend == "game":
+        game = pa.Game(BREAKOUT, 3)
+        game.reset()
+        for t in range(steps):
+            _, _, terminated, truncated, info = game.step(0)
+            lives_lost += terminated and "episode" not in info
+            games += "episode" in info
+            if games:
+                break
+        game.close()
+        return lives_lost, games, t + 1
+    vector = pa.VectorGames(BREAKOUT, [3])
+    for t in range(steps):
+        result = vector.step(np.zeros(1, dtype=np.int64))
+        lives_lost += bool(result.terminated[0] and not result.restarted[0])
+        games += bool(result.restarted[0])
+        if games:
+            break
+    vector.close()
+    return lives_lost, games, t + 1
+
+
+@pytest.mark.parametrize("backend", ["game", "ale-vector"])
+def test_a_policy_that_never_presses_fire_is_served_after_every_lost_life(backend):
+    # Unserved, the ball never comes back after the first lost life and the game never ends.
+    lives_lost, games, steps = play_without_fire(backend, 2_000)
+    assert (lives_lost, games) == (4, 1), steps  # 5 lives: 4 lost, then game over
+    assert steps < 1_000  # a NOOP paddle misses each ball within a few dozen steps
+
+
+def test_the_vector_env_tells_game_over_from_a_lost_life_by_the_frame_counter():
+    endings = pa.VectorGames.endings
+    # Game 0 plays on; game 1 loses a life; game 2's game is over, and it held more lives than a new
+    # game starts with (bonus lives): its counter went back all the same; game 3 loses a life on the
+    # step it earns a bonus one (its lives do not change) and plays on.
+    terminated = np.array([False, True, True, True])
+    frames = np.array([404, 1204, 31, 9004])
+    previous = np.array([400, 1200, 52_000, 9000])
+    restarted, life_lost = endings(terminated, frames, previous)
+    assert restarted.tolist() == [False, False, True, False]
+    assert life_lost.tolist() == [False, True, False, True]
+    # A game cut by the frame limit restarts too (no termination), and a counter that stood still
+    # (no frame played: cannot happen within a game) is read as a new game, never as a lost life.
+    restarted, life_lost = endings(np.array([False, True]), np.array([12, 800]), np.array([108_000, 800]))
+    assert restarted.tolist() == [True, True] and life_lost.tolist() == [False, False]
