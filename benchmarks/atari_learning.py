@@ -1,47 +1,161 @@
-"""Does `ppo_atari.py` learn Breakout in a short run? Its score after 100k steps against a random policy.
+r"""Does `ppo_atari.py` learn Breakout as well as Stable-Baselines3? Learning curves over seeds.
 
 What it measures
 ----------------
-For each seed (default 1 2 3), one training run of
-`python ppo_atari.py --env BreakoutNoFrameskip-v4 --seed S --total-timesteps 100000 --run-dir <tmpdir>
-[--our-args ...]` from the repository root, one after the other. The score is the script's own
-`mean_return_100` from `<tmpdir>/summary.json`: the mean real game score (unclipped, all lives) of the
-last 100 games finished during training, played by the stochastic training policy. The parent also
-times each process from launch to exit.
+The real game score (unclipped, summed over all lives) of every whole game finished in training,
+against environment steps (agent steps, one step = 4 emulator frames), for four variants, each seed
+(default 1 2 3) with a budget of `--steps` (default 200,000). Both implementations anneal the
+learning rate linearly to 0 over exactly that budget and stop after the rollout (8 games x 128
+steps) that reaches it: 196 rollouts, 200,704 steps.
 
-The yardstick is a policy that presses uniformly random buttons, measured here in the very same
-preprocessing: `ppo_atari.Game` (no-op starts, 4-frame repeat, FIRE after a reset and a lost life,
-score over all lives) plays `--random-games` whole games (default 30) in this process, and the mean
-and standard deviation of their `info["episode"]["return"]` are reported. (For reference, the DQN
-paper (Mnih et al., 2015) quotes 1.7 for a random policy on Breakout.) 100k steps is early in training: the
-published 10M-step runs reach ~400; what this shows is that learning has clearly started.
+1. `ale-vector`: ours with its default backend, ale-py's C++ vector env:
+   `python ppo_atari.py --env BreakoutNoFrameskip-v4 --seed S --total-timesteps N --run-dir <tmp>`.
+2. `game`: the same plus `--env-backend game` (the Game class, in worker processes).
+   For both, each finished game's (step, return, length) is read from the run dir's TensorBoard
+   event file (`charts/episodic_return`, `charts/episodic_length`; EventAccumulator, keeping all).
+3. `sb3`: Stable-Baselines3 PPO with identical hyperparameters, in a child process of this same
+   file (`--_sb3-child`): `make_atari_env(env, n_envs=8, seed=S)` + `VecFrameStack(n_stack=4)`,
+   `PPO("CnnPolicy", n_steps=128, batch_size=256 (8 x 128 / 4 minibatches), n_epochs=4,
+   learning_rate=linear_schedule(2.5e-4), clip_range=0.1, clip_range_vf=0.1, ent_coef=0.01,
+   vf_coef=0.5, max_grad_norm=0.5, gamma=0.99, gae_lambda=0.95, Adam eps=1e-5, seed=S,
+   device="cpu")`, `learn(total_timesteps=N)`. SB3's own default Adam eps is 1e-8: it is set to
+   1e-5 here (`policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5))`) to match ours. A callback
+   reads `self.locals["infos"]` for `"episode"` entries: SB3's Monitor sits beneath AtariWrapper, so
+   its return is the raw, unclipped score over all lives; it is recorded with `self.num_timesteps`
+   at that step. The Monitor's length counts emulator frames, so the callback counts each game's
+   agent steps itself, as ours does.
+4. `random`: uniformly random actions, played in this process through `ppo_atari.Game` (the same
+   preprocessing and score as ours: no-op starts, 4-frame repeat, FIRE after a reset and a lost
+   life), `--random-games` whole games (default 100), reported as mean ± std and standard error.
+   (The DQN paper, Mnih et al. 2015, quotes 1.7 for a random policy on Breakout.)
 
-The output is a markdown table (seed, steps, mean_return_100, games finished, process wall seconds),
-the mean over seeds, the random policy's mean ± std, and the machine and date. `--json PATH` writes
-the same as JSON.
+The training runs go one after the other, interleaved (seed 1: ale-vector, game, sb3; seed 2: ...)
+so that background load hits all alike. Run only one benchmark at a time on a machine.
+
+What differs between ours and SB3 despite identical hyperparameters
+--------------------------------------------------------------------
+- Value loss: SB3's `clip_range_vf` keeps only the clipped prediction, `mse(returns, clipped)`;
+  ours takes `0.5 * max(unclipped error², clipped error²)` (the PPO paper's code). With vf_coef
+  0.5, SB3's value gradient is twice ours where the clip does not bite, and zero where it does.
+- Preprocessing: SB3's AtariWrapper defaults (noop_max=30, frame_skip=4 with the max of the last
+  two frames, 84x84, terminal_on_life_loss=True, clip_reward=True, FireResetEnv) are the Game
+  backend's rules. Small differences: SB3 turns RGB frames grey with OpenCV where ours reads ALE's
+  grayscale frames; after a lost life SB3's NOOP step and FIRE + action 2 happen in `reset()`
+  (EpisodicLifeEnv under FireResetEnv), unseen by the agent, as in the Game; VecFrameStack
+  zero-fills the stack at every episode end, life losses included, as the Game does. The ale-vector
+  backend differs more: it presses FIRE for one frame at a game's start and, after a lost life,
+  sends FIRE on the next agent step in place of the policy's action (a step the agent sees), and
+  its frame stack runs on through a lost life (see `VectorGames`).
+- SB3's games run one after the other in its process (`DummyVecEnv`), and it is not compiled;
+  ours is (torch.compile). Speeds are recorded, but this benchmark is about scores.
+
+Outputs
+-------
+Every run's log is kept, so that the report can be redone without training (`--plot-only`):
+- `<results-dir>/<variant>_seed<S>.csv`: `step,return,length`, one row per finished game (step:
+  agent steps when it ended; length: agent steps of the game).
+- `<results-dir>/random.csv`: `game,return,length`.
+- `<results-dir>/runs.json`: per run (key `<variant>_seed<S>`, or `random`): the command, date,
+  wall seconds, steps, games, steps/s (ours: summary.json's steady speed; SB3: the same measure,
+  from the end of its first update), exit status, the machine line and the package versions. A run
+  of some variants updates only their keys and files; the others' are kept.
+- `<results-dir>/table.md` (also printed): per variant, each seed's mean score of its last 100
+  training games at the end, the mean ± std over seeds and the ratio to SB3's mean; the random
+  policy; the machine, dates and versions.
+- The plot (`--plot`; by default `benchmarks/plots/atari_breakout_learning.png` with the default
+  results dir, else inside the results dir): for each run, the mean score of its last 100 games
+  every `--plot-every` steps (from its 10th game on); per variant, the mean over seeds as a line
+  and the min–max over seeds as a band; the random policy's mean ± one standard error.
+The report shows every variant with logs for `--seeds` (with `--plot-only`, those of `--variants`).
+The running, the logs, the table and the plot are harness.py's, shared with cartpole_learning.py.
 
 How to run it (from the repository root)
 ----------------------------------------
-    pip install -r requirements.txt
-    python benchmarks/atari_learning.py
-    python benchmarks/atari_learning.py --seeds 1 2 3 4 5 --json atari_learning.json
-    python benchmarks/atari_learning.py --steps 200000 --our-args "--num-workers 0"
+    pip install -r requirements.txt -r benchmarks/requirements.txt
+    python benchmarks/atari_learning.py                      # all four, seeds 1 2 3, 200k steps
+    python benchmarks/atari_learning.py --variants sb3       # SB3 again; the others' logs are kept
+    python benchmarks/atari_learning.py --plot-only          # table and plot from the kept logs
+    python benchmarks/atari_learning.py --steps 8192 --seeds 1 2 --random-games 5 \
+        --plot-every 1024 --results-dir /tmp/atari_learning_test   # a quick check of the benchmark
 """
 
 import argparse
-import datetime
-import json
-import shlex
-import statistics
+import re
 import sys
 import time
-from pathlib import Path
 
-from harness import REPO_ROOT, check_ready, fmt, machine, machine_line, report_failure, run_our_script, warn_if_busy
+from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready,
+                     learning_arguments, learning_report, linear_schedule, run_learning,
+                     run_ours_logged, run_sb3_logged, sb3_learn_and_record)
 
-OUR_SCRIPT = REPO_ROOT / "ppo_atari.py"
+# This file's top level imports only the standard library (and harness.py, which does too), so that
+# the SB3 child pays for its own imports just like our script does.
+
 DEFAULT_ENV = "BreakoutNoFrameskip-v4"
-PACKAGES = ("torch", "gymnasium", "ale-py")  # whose versions the report names
+OUR_VARIANT_ARGS = {"ale-vector": [], "game": ["--env-backend", "game"]}
+BENCH = Learning(
+    name="atari_learning",
+    script=REPO_ROOT / "ppo_atari.py",
+    variants=("ale-vector", "game", "sb3", "random"),
+    labels={"ale-vector": "ours, ale-vector backend (default)", "game": "ours, game backend",
+            "sb3": "SB3 PPO (same hyperparameters)", "random": "random policy"},
+    colors={"ale-vector": "tab:blue", "game": "tab:orange", "sb3": "tab:green",
+            "random": "tab:gray"},
+    packages=("torch", "gymnasium", "ale-py", "stable-baselines3", "numpy"),
+    unit="game",
+    score="score",
+    x_label="environment steps (agent steps, 4 frames each)",
+    y_label=f"game score (mean of the last {WINDOW} training games)",
+    note=f"(the learning rate annealed over it). Score: the mean real game score (unclipped, all "
+    f"lives) of each run's last {WINDOW} training games at its end (stochastic policy); std over "
+    "seeds; ratio = variant mean / SB3 mean. steps/s: steady training speed (from the end of the "
+    "first update), mean over seeds. Random policy: uniformly random actions through "
+    "ppo_atari.Game.",
+)
+
+# The shared hyperparameters (the PPO paper's Atari settings, ppo_atari.py's defaults).
+NUM_ENVS, NUM_STEPS, BATCH_SIZE, EPOCHS = 8, 128, 256, 4
+LEARNING_RATE, CLIP, ENT_COEF, VF_COEF, MAX_GRAD_NORM = 2.5e-4, 0.1, 0.01, 0.5, 0.5
+GAMMA, GAE_LAMBDA, ADAM_EPS = 0.99, 0.95, 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# The SB3 reference, run in a child process
+# --------------------------------------------------------------------------------------------------
+
+
+def sb3_child(seed, out_file, env_id, total_timesteps):
+    """Train SB3 PPO with our hyperparameters; write every finished game and the timings as JSON."""
+    import ale_py
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_atari_env
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # (its import registers the ids)
+
+    setup_start = time.perf_counter()
+    env = VecFrameStack(make_atari_env(env_id, n_envs=NUM_ENVS, seed=seed), n_stack=4)
+    model = PPO(
+        "CnnPolicy",
+        env,
+        n_steps=NUM_STEPS,
+        batch_size=BATCH_SIZE,
+        n_epochs=EPOCHS,
+        learning_rate=linear_schedule(LEARNING_RATE),
+        clip_range=CLIP,
+        clip_range_vf=CLIP,  # ours clips the value loss too (PPO paper's code; 37 details, #9)
+        ent_coef=ENT_COEF,
+        vf_coef=VF_COEF,
+        max_grad_norm=MAX_GRAD_NORM,
+        gamma=GAMMA,
+        gae_lambda=GAE_LAMBDA,
+        policy_kwargs=dict(optimizer_kwargs=dict(eps=ADAM_EPS)),  # SB3's default is 1e-8; ours 1e-5
+        seed=seed,
+        device="cpu",
+        verbose=0,
+    )
+    # The Monitor sits under AtariWrapper: its return is a whole game's real score, all lives.
+    sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -50,8 +164,9 @@ PACKAGES = ("torch", "gymnasium", "ale-py")  # whose versions the report names
 
 
 def random_policy(env_id, games, seed):
-    """Play `games` whole games with uniformly random actions through ppo_atari's own Game, so that the
-    preprocessing and the score are exactly those of the training runs. Returns the scores and lengths."""
+    """Play `games` whole games with uniformly random actions through ppo_atari's own Game, so that
+    the preprocessing and the score are exactly those of the training runs. Returns the scores and
+    lengths."""
     sys.path.insert(0, str(REPO_ROOT))
     import numpy as np
     from ppo_atari import Game
@@ -70,85 +185,20 @@ def random_policy(env_id, games, seed):
     return returns, lengths
 
 
-# --------------------------------------------------------------------------------------------------
-# Running and timing one subprocess
-# --------------------------------------------------------------------------------------------------
+def play_random(args):
+    returns, lengths = random_policy(args.env, args.random_count, args.random_seed)
+    command = (f"in this process: ppo_atari.Game({args.env!r}, {args.random_seed}), "
+               f"uniformly random actions, numpy.random.default_rng({args.random_seed})")
+    return returns, lengths, command
 
 
-def run_ours(seed, args):
-    cmd, status, wall, tail, summary, _ = run_our_script(
-        OUR_SCRIPT, ["--env", args.env, "--seed", str(seed), "--total-timesteps", str(args.steps)], args.our_args,
-        seed, args.timeout)
-    row = {
-        "seed": seed,
-        "status": status,
-        "steps": summary.get("steps") if summary else None,
-        "mean_return_100": summary.get("mean_return_100") if summary else None,
-        "episodes": summary.get("episodes") if summary else None,
-        "wall_seconds": wall,
-        "train_seconds": summary.get("seconds") if summary else None,
-        "steps_per_second": summary.get("steps_per_second") if summary else None,
-        "command": shlex.join(cmd),
-    }
-    if status != "ok":
-        report_failure("ours", seed, status, tail)
-    return row
-
-
-# --------------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------------
-
-
-def mean_std(values):
-    """(mean, sample standard deviation) of a list; the std is 0 for one value, both None for none."""
-    if not values:
-        return None, None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def summarize(rows, random_returns, random_lengths):
-    scores = [r["mean_return_100"] for r in rows if r["status"] == "ok" and r["mean_return_100"] is not None]
-    mean, std = mean_std(scores)
-    random_mean, random_std = mean_std(random_returns)
-    return {
-        "seeds_ok": len(scores),
-        "seeds": len(rows),
-        "mean_return_100_over_seeds": mean,
-        "std_over_seeds": std,
-        "random_games": len(random_returns),
-        "random_mean_return": random_mean,
-        "random_std_return": random_std,
-        "random_mean_length": statistics.fmean(random_lengths) if random_lengths else None,
-        "ours_minus_random": mean - random_mean if mean is not None and random_mean is not None else None,
-    }
-
-
-def print_report(rows, summary, info, date, args):
-    print()
-    print("| seed | env steps | mean_return_100 | games | process wall s |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        score = fmt(r["mean_return_100"], ".2f") if r["status"] == "ok" else f"– ({r['status']})"
-        print(f"| {r['seed']} | {fmt(r['steps'], ',')} | {score} | {fmt(r['episodes'], ',')} "
-              f"| {r['wall_seconds']:.1f} |")
-    s = summary
-    spread = f" ± {s['std_over_seeds']:.2f} (std over seeds)" if s["seeds_ok"] > 1 else ""
-    print(f"| **mean** ({s['seeds_ok']}/{s['seeds']} seeds) | | "
-          f"**{fmt(s['mean_return_100_over_seeds'], '.2f')}**{spread} | | |")
-    print()
-    print(f"random policy: {fmt(s['random_mean_return'], '.2f')} ± {fmt(s['random_std_return'], '.2f')} "
-          f"(mean ± std over {s['random_games']} games of {fmt(s['random_mean_length'], '.0f')} steps on "
-          f"average; uniformly random actions through ppo_atari.Game, seed {args.random_seed})")
-    if s["ours_minus_random"] is not None:
-        print(f"ours - random = {s['ours_minus_random']:+.2f} points per game")
-    print()
-    print(f"env {args.env}; mean_return_100 = summary.json's mean real score (all lives, unclipped) of the "
-          "last 100 games finished in training, stochastic policy.")
-    if args.our_args:
-        print(f"our extra args: {args.our_args}")
-    print(machine_line(info, PACKAGES))
-    print(f"date: {date}")
+def run_variant(variant, seed, args):
+    """One training run: (run record, games, output tail)."""
+    if variant == "sb3":
+        return run_sb3_logged(__file__, seed, ["--env", args.env, "--steps", str(args.steps)], args)
+    script_args = ["--env", args.env, "--seed", str(seed), "--total-timesteps", str(args.steps),
+                   *OUR_VARIANT_ARGS[variant]]
+    return run_ours_logged(BENCH.script, script_args, f"{variant}_seed{seed}", args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,57 +208,32 @@ def print_report(rows, summary, info, date, args):
 
 def parse_args():
     parser = argparse.ArgumentParser(
-        description="Score of ppo_atari.py on Breakout after a short run (mean of the last 100 training "
-        "games), per seed, against a random policy in the same preprocessing.",
+        description="Learning curves on Breakout over seeds: ppo_atari.py (both backends), "
+        "Stable-Baselines3 PPO with the same hyperparameters, and a random policy.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--env", default=DEFAULT_ENV, help="Atari game id")
-    parser.add_argument("--steps", type=int, default=100_000, help="env steps per training run")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run, one after the other")
-    parser.add_argument("--our-args", default="",
-                        help='extra arguments for ppo_atari.py, one string, e.g. "--num-workers 0"')
-    parser.add_argument("--random-games", type=int, default=30, help="whole games played by the random policy")
-    parser.add_argument("--random-seed", type=int, default=1, help="seed of the random policy's game and actions")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per training run")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    learning_arguments(parser, BENCH, steps=200_000, timeout=7200.0, plot_every=5000,
+                       plot_help="the PNG (default: benchmarks/plots/atari_<game>_learning.png "
+                       "for the default results dir, else inside the results dir)")
     args = parser.parse_args()
-    if args.steps <= 0 or args.timeout <= 0 or args.random_games <= 0:
-        parser.exit(2, "error: --steps, --timeout and --random-games must be positive\n")
+    game = re.sub(r"NoFrameskip-v\d+$", "", args.env.split("/")[-1]).lower()
+    check_learning_arguments(parser, args, BENCH, f"atari_{game}_learning.png")
     return args
 
 
 def main():
     args = parse_args()
-    check_ready(OUR_SCRIPT)
-    info = machine(PACKAGES)  # taken now, so the load average is the one the runs start under
-    warn_if_busy(info, "slows the runs (the scores do not depend on it)")
-    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-    # The random policy first: it takes seconds, and a broken setup shows before the long runs.
-    print(f"random policy: {args.random_games} games of {args.env} ...", flush=True)
-    start = time.perf_counter()
-    random_returns, random_lengths = random_policy(args.env, args.random_games, args.random_seed)
-    random_mean, random_std = mean_std(random_returns)
-    print(f"  {random_mean:.2f} ± {random_std:.2f} over {len(random_returns)} games "
-          f"({time.perf_counter() - start:.1f} s)", flush=True)
-
-    rows = []
-    for seed in args.seeds:
-        print(f"running ours seed {seed} ({args.steps:,} steps) ...", flush=True)
-        row = run_ours(seed, args)
-        print(f"  mean_return_100 {fmt(row['mean_return_100'], '.2f')} over the last "
-              f"{min(row['episodes'] or 0, 100)} of {fmt(row['episodes'], ',')} games, "
-              f"{fmt(row['steps'], ',')} steps, {row['wall_seconds']:.1f} s wall ({row['status']})", flush=True)
-        rows.append(row)
-
-    summary = summarize(rows, random_returns, random_lengths)
-    print_report(rows, summary, info, date, args)
-    if args.json:
-        result = {"date": date, "machine": info, "env": args.env, "steps": args.steps, "our_args": args.our_args,
-                  "rows": rows, "summary": summary,
-                  "random_policy": {"seed": args.random_seed, "returns": random_returns, "lengths": random_lengths}}
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    if args.sb3_child:
+        seed, out_file = args.sb3_child
+        sb3_child(int(seed), out_file, args.env, args.steps)
+        return
+    if args.plot_only:
+        learning_report(BENCH, args)
+        return
+    check_ready(BENCH.script if {"ale-vector", "game", "random"} & set(args.variants) else None,
+                sb3="sb3" in args.variants)
+    run_learning(BENCH, args, run_variant, play_random)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Two implementations, side by side in one run, for each seed (default 1 2 3):
    `<tmpdir>/summary.json` (solved iff `solved_step` is not null).
 2. SB3: Stable-Baselines3 PPO with the rl-baselines3-zoo hyperparameters for CartPole-v1
    (`MlpPolicy`, 8 envs, n_steps 32, batch 256, 20 epochs, gamma 0.98, GAE lambda 0.8, no entropy
-   bonus, learning rate `lin_1e-3`, clip range `lin_0.2`, 1e5 timesteps, CPU). It runs in a child
+   bonus, learning rate `lin_1e-3`, clip range `lin_0.2`, 1e5 timesteps, CPU; harness.py's
+   `sb3_zoo_cartpole`, which cartpole_learning.py uses too). It runs in a child
    process of this same file (`--_sb3-child`), with a callback that stops training as soon as the
    mean of the last 100 finished episodes (from the Monitor's `info["episode"]["r"]`) reaches 475.
    If the budget ends first, the run is reported as not solved.
@@ -47,8 +48,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from harness import (REPO_ROOT, check_ready, fmt, linear_schedule, machine, machine_line, report_failure,
-                     run_our_script, timed_run, warn_if_busy)
+from harness import (REPO_ROOT, check_ready, fmt, machine, machine_line, report_failure,
+                     run_our_script, sb3_zoo_cartpole, timed_run, warn_if_busy)
 
 # This file's top level imports only the standard library (and harness.py, which does too), so that
 # the SB3 child process pays for Python startup and its own imports (SB3, torch, gymnasium) just like
@@ -67,9 +68,7 @@ PACKAGES = ("torch", "gymnasium", "stable-baselines3")  # whose versions the rep
 
 def sb3_child(seed, out_file, total_timesteps):
     """Train SB3 PPO with the zoo settings until solved or out of budget; write a small JSON."""
-    from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.env_util import make_vec_env
 
     class StopWhenSolved(BaseCallback):
         """Keeps the returns of finished episodes; stops training once the last 100 average >= 475."""
@@ -96,22 +95,7 @@ def sb3_child(seed, out_file, total_timesteps):
             return True
 
     start = time.perf_counter()  # after the imports: env creation, model creation and learning
-    env = make_vec_env("CartPole-v1", n_envs=8, seed=seed)
-    model = PPO(
-        "MlpPolicy",
-        env,
-        n_steps=32,
-        batch_size=256,
-        n_epochs=20,
-        gamma=0.98,
-        gae_lambda=0.8,
-        ent_coef=0.0,
-        learning_rate=linear_schedule(1e-3),
-        clip_range=linear_schedule(0.2),
-        device="cpu",
-        seed=seed,
-        verbose=0,
-    )
+    env, model = sb3_zoo_cartpole(seed)
     callback = StopWhenSolved()
     model.learn(total_timesteps=total_timesteps, callback=callback)
     seconds = time.perf_counter() - start
