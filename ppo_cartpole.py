@@ -977,13 +977,18 @@ class RunGuard:
     """
 
     def __init__(self, main: Main):
-        self.main, self.config = main, main.config
+        self.main = main
         self.previous_threads = torch.get_num_threads()
         self.previous_handlers = {}
         self.stop_signal = None
         self.ranks = self.games = self.writer = None
         self.updates = 0
         self.summary = None
+
+    @property
+    def config(self) -> Config:
+        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
+        return self.main.config
 
     def __enter__(self) -> "RunGuard":
         self.catch_stop_signals()
@@ -1022,7 +1027,7 @@ class RunGuard:
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config))
         config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        self.main.config = self.config = config
+        self.main.config = config
         # Reproducibility: every random draw of the trainer comes from torch's seeded generator
         # (action sampling, minibatch shuffling), and each game from its own seeded generator.
         # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
