@@ -338,14 +338,17 @@ def run_ours_logged(script, script_args, key, args):
     return record, episodes, tail
 
 
-def run_sb3_logged(child_file, seed, child_args, args):
+def run_sb3_logged(child_file, seed, child_args, args, target=None):
     """Train SB3 in a child process `python CHILD_FILE --_sb3-child SEED <out> CHILD_ARGS` (which
     ends with `sb3_learn_and_record`), under `--nice`; returns (run record, episodes, output
-    tail)."""
+    tail). With a `target` return, the record also holds the first step at which the mean return of
+    the last WINDOW episodes reached it and the seconds from the child's launch to that episode's
+    end (`target_step`, `target_seconds`; None if never)."""
     with tempfile.TemporaryDirectory(prefix=f"sb3_seed{seed}_") as tmp:
         out_file = Path(tmp) / "result.json"
         cmd = [*nice_prefix(args), sys.executable, str(Path(child_file).resolve()),
                "--_sb3-child", str(seed), str(out_file), *child_args]
+        launch = time.time()
         returncode, wall, tail = timed_run(cmd, args.timeout, tmp)
         result = json.loads(out_file.read_text()) if out_file.exists() else None
     status = run_status(returncode, result, args.timeout, missing="no result written")
@@ -360,21 +363,30 @@ def run_sb3_logged(child_file, seed, child_args, args):
         "setup_seconds": round(result["setup_seconds"], 2) if result else None,
         "learn_seconds": round(result["learn_seconds"], 2) if result else None,
     }
-    return record, [tuple(episode) for episode in result["episodes"]] if result else [], tail
+    episodes = [tuple(episode) for episode in result["episodes"]] if result else []
+    if target is not None:
+        step = first_reaching(episodes, target)
+        index = [episode[0] for episode in episodes].index(step) if step is not None else None
+        record["target_step"] = step
+        record["target_seconds"] = (round(result["episode_wall_times"][index] - launch, 2)
+                                    if index is not None else None)
+    return record, episodes, tail
 
 
 def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start):
     """In the SB3 child: `model.learn(total_timesteps)` with a callback that keeps (step, return,
     agent steps) of every finished episode (the Monitor's `info["episode"]`, at
     `self.num_timesteps`; the length counted by the callback itself, since an Atari Monitor counts
-    frames) and the steady speed from the end of the first rollout + update; close `env` and write
-    it all to `out_file` as JSON. `setup_start`: `time.perf_counter()` before the env was made."""
+    frames) and the wall-clock time (`time.time()`) at which it ended, and the steady speed from the
+    end of the first rollout + update; close `env` and write it all to `out_file` as JSON.
+    `setup_start`: `time.perf_counter()` before the env was made."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     class RecordEpisodes(BaseCallback):
         def __init__(self):
             super().__init__()
             self.episodes, self.lengths = [], [0] * env.num_envs
+            self.episode_wall_times = []
             self.rollouts_started = 0
             self.first_update_end = self.end = None
 
@@ -389,6 +401,7 @@ def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start):
                 if "episode" in info:
                     episode = (self.num_timesteps, float(info["episode"]["r"]), self.lengths[i])
                     self.episodes.append(episode)
+                    self.episode_wall_times.append(time.time())
                     self.lengths[i] = 0
             return True
 
@@ -410,6 +423,7 @@ def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start):
         "setup_seconds": learn_start - setup_start,
         "learn_seconds": learn_end - learn_start,
         "episodes": callback.episodes,
+        "episode_wall_times": callback.episode_wall_times,
     }
     Path(out_file).write_text(json.dumps(result))
 

@@ -1,4 +1,4 @@
-"""Both scripts in a real Jupyter kernel (ipykernel, driven by nbclient and jupyter_client): pasted
+"""Every script in a real Jupyter kernel (ipykernel, driven by nbclient and jupyter_client): pasted
 whole into a cell, imported, and run with %run; what a run changes in the kernel is given back;
 interrupting the kernel stops a run cleanly."""
 import json
@@ -17,7 +17,13 @@ SMALL = {  # a few updates of each, in worker processes (a notebook forks them t
     "ppo_cartpole": "num_envs=8, num_steps=16, num_workers=2, total_timesteps=512",
     "ppo_atari": "num_envs=2, num_steps=32, num_workers=2, num_minibatches=2, total_timesteps=128, "
                  "env_backend='game', compile=False",
+    "ppo_continuous": "num_envs=8, num_steps=16, num_workers=2, total_timesteps=512",
 }
+# The flags of a short `%run` of each: a budget first, as `--total-timesteps N`.
+PERCENT_RUN = {"ppo_cartpole": "--total-timesteps 20000",
+               "ppo_atari": "--total-timesteps 128 --num-envs 2 --num-steps 32 "
+                            "--num-minibatches 2 --no-compile",
+               "ppo_continuous": "--total-timesteps 2048 --num-envs 4 --num-steps 64"}
 # What a run may differ in from a same-seed run: the clock.
 TIMINGS = {"seconds", "warmup_seconds", "steps_per_second", "solved_seconds", "checkpoint"}
 
@@ -40,7 +46,7 @@ def summaries_of(output):
     return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+@pytest.mark.parametrize("script", sorted(SMALL))
 def test_pasted_into_a_cell_it_defines_everything_and_starts_nothing(script, tmp_path):
     source = (ROOT / f"{script}.py").read_text()
     run = f"Main(Config(seed=3, run_dir={str(tmp_path / 'run')!r}, {SMALL[script]})).run()"
@@ -66,11 +72,9 @@ def test_pasted_into_a_cell_it_defines_everything_and_starts_nothing(script, tmp
     assert refused.startswith("refused: unknown env 'NoSuchEnv-v0'") and state + "\n" == outputs[0]
 
 
-@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
+@pytest.mark.parametrize("script", sorted(SMALL))
 def test_imported_and_run_with_percent_run(script, tmp_path):
-    flags = {"ppo_cartpole": "--total-timesteps 20000",
-             "ppo_atari": "--total-timesteps 128 --num-envs 2 --num-steps 32 --num-minibatches 2 "
-                          "--no-compile"}[script]
+    flags = PERCENT_RUN[script]
     outputs = run_notebook([
         f"import json\nfrom {script} import Config, Main\n"
         f"print(json.dumps(Main(Config(run_dir={str(tmp_path / 'imported')!r}, {SMALL[script]})).run()))",

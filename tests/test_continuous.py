@@ -1,0 +1,381 @@
+"""ppo_continuous.py: the pieces against hand-computed or reference values (gymnasium's Pendulum,
+torch.distributions), then runs through the API and the command line: the running statistics in
+checkpoints, --eval and --resume, bad input, learning, reproducibility, Ctrl-C and torchrun."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import ppo_continuous as pc
+from conftest import ROOT, children, wait_until_gone
+
+CPU = torch.device("cpu")
+SMALL = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, device="cpu")
+BATCH = 4 * 32
+
+
+# Generous limits: they catch a hang, not slowness (a loaded machine starts torch slowly).
+def run_script(*args, timeout=600):
+    return subprocess.run([sys.executable, "ppo_continuous.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def checkpoint_of(run_dir):
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)
+
+
+# ----- the torch Pendulum against gymnasium's ------------------------------------------------------
+
+
+def test_torch_pendulum_steps_like_gymnasium_from_the_same_states():
+    env = gym.make("Pendulum-v1")
+    env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    # Angles beyond +-pi (never wrapped), speeds near and at the +-8 limit, torques beyond +-2.
+    states = np.column_stack([rng.uniform(-12, 12, 64), rng.uniform(-8, 8, 64)])
+    states[:4, 1] = [7.9, -7.9, 8.0, -8.0]
+    torques = rng.uniform(-4, 4, 64).astype(np.float32)
+    engine = pc.TorchPendulum(64, seed=0, device=CPU)
+    engine.state = torch.tensor(states)
+    result = engine.step(torch.from_numpy(torques)[:, None])
+    for i in range(64):
+        env.unwrapped.state = states[i].copy()
+        obs, reward, terminated, truncated, _ = env.step(torques[i:i + 1])
+        assert np.allclose(result.final_obs[i].numpy(), obs, atol=1e-6), i
+        assert np.allclose(engine.observations()[i].numpy(), obs, atol=1e-6), i
+        assert np.allclose(engine.state[i].numpy(), env.unwrapped.state, rtol=1e-6, atol=1e-7), i
+        assert result.rewards[i].item() == pytest.approx(reward, rel=1e-5, abs=1e-6), i
+        assert not result.terminated[i] and not result.truncated[i] and not terminated
+    assert (engine.state[:, 1].abs() <= 8).all() and engine.state[:, 1].abs().max() == 8
+    assert engine.state[:, 0].abs().max() > math.pi  # the angle is not wrapped
+
+
+def test_torch_pendulum_truncates_at_200_steps_and_restarts_in_the_same_step():
+    assert gym.spec("Pendulum-v1").max_episode_steps == pc.TorchPendulum.MAX_EPISODE_STEPS == 200
+    engine = pc.TorchPendulum(512, seed=3, device=CPU)
+    for start in (engine.state,):
+        assert (start[:, 0].abs() <= math.pi).all() and (start[:, 1].abs() <= 1).all()
+        assert start[:, 0].min() < -3 and start[:, 0].max() > 3  # th ~ U(-pi, pi)
+        assert start[:, 1].min() < -0.95 and start[:, 1].max() > 0.95  # thdot ~ U(-1, 1)
+    returns = torch.zeros(512, dtype=torch.float64)
+    for step in range(1, 201):
+        before = engine.state.clone()
+        result = engine.step(torch.zeros(512, 1))
+        returns += result.rewards.double()
+        assert bool(result.truncated.all()) == (step == 200) and not result.terminated.any()
+    assert (result.episode_lengths == 200).all()
+    assert torch.allclose(result.episode_returns, returns, rtol=1e-5)
+    # The last observation of the ended episode is where its state went (by hand, torque 0),
+    # the new one a fresh start.
+    theta_dot = (before[:, 1] + 15 * before[:, 0].sin() * 0.05).clamp(-8, 8)
+    theta = before[:, 0] + theta_dot * 0.05
+    expected_last = torch.stack([theta.cos(), theta.sin(), theta_dot], 1).float()
+    assert torch.allclose(result.final_obs, expected_last, atol=1e-6)
+    assert not torch.allclose(engine.observations(), expected_last, atol=0.1)
+    assert (engine.state[:, 1].abs() <= 1).all() and (engine.steps == 0).all()
+    assert not engine.step(torch.zeros(512, 1)).truncated.any()
+
+
+def test_the_spec_check_passes_the_torch_pendulum_and_catches_a_wrong_one():
+    env = gym.make("Pendulum-v1")
+    pc.check_env_specs(pc.TorchPendulum(4, 0, CPU), 4, env.observation_space, env.action_space)
+
+    class Float64Rewards(pc.TorchPendulum):
+        def step(self, actions):
+            return super().step(actions)._replace(rewards=torch.zeros(4, dtype=torch.float64))
+
+    with pytest.raises(RuntimeError, match="a reward has dtype torch.float64"):
+        pc.check_env_specs(Float64Rewards(4, 0, CPU), 4, env.observation_space, env.action_space)
+
+    class Unclipped(pc.TorchPendulum):
+        MAX_SPEED = 100.0
+
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        pc.check_env_specs(Unclipped(4, 0, CPU), 4, env.observation_space, env.action_space)
+
+
+# ----- the Gaussian policy -------------------------------------------------------------------------
+
+
+def test_gaussian_log_prob_and_entropy_match_torch_distributions():
+    torch.manual_seed(0)
+    model = pc.Model(obs_size=5, action_size=3)
+    with torch.no_grad():
+        model.log_std.copy_(torch.tensor([[-0.5, 0.0, 0.7]]))
+    obs, actions = torch.randn(10, 5), 3 * torch.randn(10, 3)
+    log_prob, entropy, value = model.evaluate_actions(obs, actions)
+    normal = torch.distributions.Normal(model.actor(obs), model.log_std.exp())
+    assert torch.allclose(log_prob, normal.log_prob(actions).sum(-1), atol=1e-5)
+    assert torch.allclose(entropy, normal.entropy().sum(-1), atol=1e-6)
+    assert torch.equal(value, model.critic(obs).squeeze(-1))
+    sampled, sampled_log_prob, _ = model.act(obs)
+    assert torch.allclose(sampled_log_prob, normal.log_prob(sampled).sum(-1), atol=1e-5)
+    greedy, _, _ = model.act(obs, greedy=True)
+    assert torch.equal(greedy, model.actor(obs))
+    assert torch.equal(pc.Model(5, 3).log_std, torch.zeros(1, 3))  # sigma starts at 1
+
+
+# ----- running statistics ---------------------------------------------------------------------------
+
+
+def test_running_mean_std_against_hand_computed_values():
+    stats = pc.RunningMeanStd((1,), CPU)  # the prior: count 1e-4, mean 0, var 1
+    stats.update(torch.tensor([[1.0], [3.0]]))
+    n = 1e-4 + 2
+    mean = 2 * 2 / n  # delta 2, n_b 2
+    var = (1e-4 * 1 + 2 * 1 + 2 ** 2 * 1e-4 * 2 / n) / n  # M2_a + M2_b + delta^2 n_a n_b / n
+    assert stats.count.item() == pytest.approx(n)
+    assert stats.mean.item() == pytest.approx(mean, rel=1e-12)
+    assert stats.var.item() == pytest.approx(var, rel=1e-12)
+
+
+def test_merging_two_halves_gives_the_statistics_of_the_union():
+    data = torch.randn(1000, 3, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.1]) + 5
+    first, second = (pc.RunningMeanStd((3,), CPU, count=0.0, var=0.0) for _ in range(2))
+    for chunk in data[:300].split(7):
+        first.update(chunk)
+    second.update(data[300:])
+    first.merge_moments(second.moments())
+    assert first.count.item() == 1000
+    assert torch.allclose(first.mean, data.mean(0), rtol=1e-12)
+    assert torch.allclose(first.var, data.var(0, correction=0), rtol=1e-10)
+
+
+def test_observations_are_normalised_then_clipped():
+    normalizer = pc.Normalizer(pc.Config(obs_clip=1.0), obs_size=2, device=CPU, num_envs=3)
+    obs = torch.tensor([[1.0, 100.0], [2.0, 100.0], [3.0, -1000.0]])
+    out = normalizer.observations(obs)
+    stats = normalizer.obs_stats
+    expected = ((obs.double() - stats.mean) / torch.sqrt(stats.var + 1e-8)).clamp(-1, 1)
+    assert torch.allclose(out, expected.float()) and out.dtype == torch.float32
+    assert out[2, 1] == -1.0 and stats.count.item() == pytest.approx(3 + 1e-4)
+    frozen = normalizer.observations(obs, update=False)
+    assert torch.equal(frozen, out) and stats.count.item() == pytest.approx(3 + 1e-4)
+
+
+def test_reward_scaling_restarts_the_return_at_every_episode_end_truncation_included():
+    normalizer = pc.Normalizer(pc.Config(gamma=0.5, reward_clip=1.5), 1, CPU, num_envs=1)
+    rewards = [1.0, 2.0, 4.0]
+    ended = [False, True, False]  # the 2nd step ends an episode (Pendulum: always by truncation)
+    # By hand: R = 1, then 0.5 * 1 + 2 = 2.5 (the episode ends: R restarts), then 4 (not 5.25).
+    count, mean, var = 1e-4, 0.0, 1.0
+    for reward, end, running_return in zip(rewards, ended, [1.0, 2.5, 4.0]):
+        total = count + 1
+        delta = running_return - mean
+        mean, var = mean + delta / total, (var * count + delta ** 2 * count / total) / total
+        count = total
+        scaled = normalizer.rewards(torch.tensor([reward]), torch.tensor([end]))
+        assert scaled.item() == pytest.approx(min(reward / math.sqrt(var + 1e-8), 1.5), rel=1e-6)
+        assert normalizer.return_stats.mean.item() == pytest.approx(mean, rel=1e-9)
+        assert normalizer.returns.item() == (0.0 if end else running_return)
+    assert scaled.item() == 1.5  # the last one was clipped
+
+
+# ----- inside a run -----------------------------------------------------------------------------------
+
+
+def test_the_env_gets_clipped_actions_the_rollout_keeps_the_sampled_ones_and_ratio_starts_at_1(
+        tmp_path, monkeypatch):
+    sent, first_ratios = [], []
+    step = pc.WorkerPool.step
+
+    def spy_step(self, actions):
+        sent.append(actions.clone())
+        return step(self, actions)
+
+    gradient_step = pc.Trainer.gradient_step
+
+    def spy_gradient_step(self, minibatch):
+        if not first_ratios:  # before the first gradient step: the recomputed log-probabilities
+            new_log_probs, _, _ = self.model.evaluate_actions(minibatch.obs, minibatch.actions)
+            first_ratios.append((new_log_probs - minibatch.old_log_probs).exp())
+        return gradient_step(self, minibatch)
+
+    monkeypatch.setattr(pc.WorkerPool, "step", spy_step)
+    monkeypatch.setattr(pc.Trainer, "gradient_step", spy_gradient_step)
+    main = pc.Main(pc.Config(total_timesteps=BATCH, run_dir=str(tmp_path), **SMALL))
+    main.run()
+    stored = main.rollout.actions  # [num_steps, num_envs, 1]
+    assert len(sent) == 32 and (stored.abs() > 2).any()  # sigma 1: some samples beyond +-2
+    assert torch.equal(torch.stack(sent), stored.clamp(-2, 2))
+    assert torch.allclose(first_ratios[0], torch.ones_like(first_ratios[0]), atol=1e-5)
+
+
+def test_the_checkpoint_holds_the_statistics_eval_freezes_them_and_resume_restores_them(
+        tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    main = pc.Main(pc.Config(total_timesteps=2 * BATCH, run_dir=str(run_dir), **SMALL))
+    main.run()
+    checkpoint = checkpoint_of(run_dir)
+    saved = checkpoint["normalizer"]
+    # Every observation the policy was given counts: the first of each game, then one per step.
+    assert saved["obs"]["count"].item() == pytest.approx(1e-4 + 4 * (1 + 2 * 32))
+    assert torch.equal(saved["obs"]["mean"], main.normalizer.obs_stats.mean)
+    assert saved["return"]["count"].item() == pytest.approx(1e-4 + 2 * BATCH)
+
+    # --eval normalises with the saved statistics, and never updates them.
+    def no_update(self, batch):
+        raise AssertionError("--eval updated the statistics")
+
+    evaluate = dict(eval=str(run_dir / "checkpoint.pt"), eval_episodes=2, run_dir=str(tmp_path))
+    with monkeypatch.context() as patch:
+        patch.setattr(pc.RunningMeanStd, "update", no_update)
+        first = pc.Main(pc.Config(**evaluate)).run()
+        again = pc.Main(pc.Config(**evaluate)).run()
+    assert first["returns"] == again["returns"] and first["episodes"] == 2
+    checkpoint["normalizer"]["obs"]["mean"] += 0.5
+    torch.save(checkpoint, tmp_path / "shifted.pt")
+    shifted = pc.Main(pc.Config(**{**evaluate, "eval": str(tmp_path / "shifted.pt")})).run()
+    assert shifted["returns"] != first["returns"]
+
+    # --resume continues from the saved statistics.
+    resumed = pc.Main(pc.Config(resume=str(run_dir / "checkpoint.pt"), total_timesteps=3 * BATCH))
+    resumed.run()
+    assert resumed.normalizer.obs_stats.count.item() == pytest.approx(1e-4 + 4 * (2 + 3 * 32))
+    assert checkpoint_of(run_dir)["global_step"] == 3 * BATCH
+
+
+@pytest.mark.parametrize("backend", ["gym", "torch"])
+def test_same_seed_same_weights_and_statistics_on_the_cpu(backend, tmp_path):
+    def final(name, seed):
+        config = pc.Config(seed=seed, total_timesteps=3 * BATCH, env_backend=backend,
+                           run_dir=str(tmp_path / name), **SMALL)
+        pc.Main(config).run()
+        state = checkpoint_of(tmp_path / name)
+        return {**state["model"], **{f"obs_{k}": v for k, v in state["normalizer"]["obs"].items()}}
+
+    a, b, other = final("a", 3), final("b", 3), final("c", 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    assert not torch.equal(a["actor.0.weight"], other["actor.0.weight"])
+    assert not torch.equal(a["obs_mean"], other["obs_mean"])
+
+
+def test_learns_pendulum(tmp_path):
+    # A random policy scores about -1200; the budget is a fraction of the 200k that reach -200.
+    summary = pc.Main(pc.Config(seed=1, env_backend="torch", total_timesteps=60 * 1024,
+                                device="cpu", run_dir=str(tmp_path))).run()
+    # 60 rollouts of 16 games x 64 steps: 19 whole episodes of 200 steps in each game.
+    assert summary["steps"] == 60 * 1024 and summary["episodes"] == 16 * 19
+    assert summary["mean_return_100"] > -800
+
+
+# ----- the command line -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--env", "Pendulum-v9"], "unknown env 'Pendulum-v9'; did you mean Pendulum-v1"),
+    (["--num-envs", "0"], "--num-envs must be positive, not 0"),
+    (["--env-backend", "jax"], "unknown --env-backend 'jax'"),
+    (["--env-backend", "torch", "--env", "MountainCarContinuous-v0"],
+     "--env-backend torch has Pendulum-v1 only"),
+])
+def test_bad_input_is_refused_with_one_line_and_status_2(args, message, tmp_path, capsys):
+    # In this process, through the command line's own entry point (the one below runs it whole).
+    assert pc.command_line([*args, "--run-dir", str(tmp_path / "run")]) == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_a_discrete_env_exits_2_naming_ppo_cartpole(tmp_path):
+    result = run_script("--env", "CartPole-v1", "--run-dir", tmp_path / "run")
+    assert result.returncode == 2, result.stderr
+    assert ("CartPole-v1 has a Discrete(2) action space; this script handles continuous (Box) "
+            "actions: use ppo_cartpole.py") in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_mujoco_env_without_mujoco_names_the_pip_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mujoco", None)  # what `import mujoco` meets when missing
+    with pytest.raises(pc.UsageError, match=r'HalfCheetah-v5 runs on MuJoCo, which is not '
+                                            r'installed: pip install "gymnasium\[mujoco\]"'):
+        pc.inspect_env("HalfCheetah-v5")
+
+
+def test_a_mujoco_robot_trains_evaluates_and_films_with_offscreen_drawing(tmp_path):
+    # Hopper falls: its episodes end by termination, mostly within these few hundred steps.
+    run_dir = tmp_path / "run"
+    result = run_script("--env", "Hopper-v5", "--num-envs", "4", "--num-steps", "128",
+                        "--total-timesteps", 1024, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1024 and summary["episodes"] > 4
+    assert checkpoint_of(run_dir)["normalizer"]["obs"]["mean"].shape == (11,)
+    evaluate = ["--eval", run_dir / "checkpoint.pt", "--eval-episodes", 1, "--video"]
+    env = {key: value for key, value in os.environ.items() if key not in ("DISPLAY", "MUJOCO_GL")}
+    refused = subprocess.run([sys.executable, "ppo_continuous.py", *map(str, evaluate)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600, env=env)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "error: --video of Hopper-v5 needs a display, or MuJoCo's offscreen drawing: run with "
+        "MUJOCO_GL=egl or MUJOCO_GL=osmesa")
+    filmed = subprocess.run([sys.executable, "ppo_continuous.py", *map(str, evaluate)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600,
+                            env={**env, "MUJOCO_GL": "egl"})
+    assert filmed.returncode == 0, filmed.stderr
+    assert "eval Hopper-v5: return" in filmed.stdout and (run_dir / "eval.mp4").stat().st_size > 0
+
+
+def test_help_shows_the_backend_defaults(capsys):
+    with pytest.raises(SystemExit) as exit:
+        pc.parse_config(["--help"])
+    assert exit.value.code == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "--env-backend ENV_BACKEND" in flat and "default: 16 (gym)" in flat
+
+
+def test_ctrl_c_saves_the_statistics_and_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "ppo_continuous.py", "--num-envs", "4", "--num-steps", "32",
+         "--num-workers", "2", "--total-timesteps", str(10 ** 8), "--checkpoint-every",
+         str(BATCH), "--run-dir", str(run_dir)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (run_dir / "checkpoint.pt").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 600 s"
+        time.sleep(0.1)
+    workers = children(process.pid)
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGINT
+    assert wait_until_gone(workers)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    checkpoint = checkpoint_of(run_dir)
+    assert summary["interrupted"] is True and summary["steps"] == checkpoint["global_step"] > 0
+    observed = checkpoint["normalizer"]["obs"]["count"].item()  # the first 4, then one a step
+    assert observed == pytest.approx(1e-4 + 4 + checkpoint["global_step"])
+
+    new_total = checkpoint["global_step"] + 2 * BATCH
+    result = run_script("--resume", run_dir / "checkpoint.pt", "--total-timesteps", new_total)
+    assert result.returncode == 0, result.stderr
+    resumed = checkpoint_of(run_dir)
+    assert resumed["global_step"] == new_total
+    assert resumed["normalizer"]["obs"]["count"].item() == pytest.approx(
+        observed + 4 * (1 + 2 * 32))
+
+
+def test_two_ranks_merge_their_statistics_exactly(tmp_path):
+    steps_per_game = 3 * 32
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "ppo_continuous.py", "--num-envs", "4", "--num-steps", "32", "--num-minibatches", "2",
+         "--update-epochs", "2", "--env-backend", "torch", "--total-timesteps",
+         str(2 * 4 * steps_per_game), "--run-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr  # 0: the ranks' weights and statistics agree
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2 * 4 * steps_per_game
+    # The union of both ranks' observations (a first one and one per step, per game): merged, not
+    # averaged, which would count one rank's.
+    stats = checkpoint_of(tmp_path)["normalizer"]
+    assert stats["obs"]["count"].item() == pytest.approx(1e-4 + 2 * 4 * (1 + steps_per_game))
+    assert stats["return"]["count"].item() == pytest.approx(1e-4 + 2 * 4 * steps_per_game)
