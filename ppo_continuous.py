@@ -490,7 +490,8 @@ class Main:
             config = self.config  # (the checkpoint's settings, when resuming)
             self.model = Model(guard.obs_size, guard.action_size, config.hidden_size)
             self.trainer = Trainer(self.model.to(guard.device), config, guard.ranks)
-            self.normalizer = Normalizer(config, guard.obs_size, guard.device)  # running stats
+            self.normalizer = Normalizer(config, guard.obs_size, guard.device,  # running stats
+                                         shared=guard.ranks.distributed)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
             self.games = guard.start_games()  # Workers, or the torch Pendulum
             self.rollout = Rollout(config, guard.obs_size, guard.action_size, guard.device)
@@ -540,8 +541,9 @@ class Main:
             # last reward gets gamma * V(final observation) added (normalised with the statistics
             # this step used); then the done flag cuts GAE's sum for both endings (compute_gae).
             cut = result.truncated & ~result.terminated
-            final_obs = normalizer.observations(result.final_obs, update=False)
-            rewards += config.gamma * self.model.value(final_obs) * cut
+            if cut.any():  # (most steps cut no episode: skip the extra forward pass then)
+                final_obs = normalizer.observations(result.final_obs, update=False)
+                rewards += config.gamma * self.model.value(final_obs) * cut
             rollout.rewards[step], rollout.dones[step] = rewards, ended
             self.global_step += config.num_envs * self.guard.ranks.world_size
             episodes.append((self.global_step, ended, result.episode_returns,
@@ -602,58 +604,63 @@ class Main:
 
 class RunningMeanStd:
     """The count, mean and variance of every number seen so far, per feature, kept without the
-    numbers (float64, on the training device). A batch is merged by the parallel formula of Chan,
-    Golub and LeVeque (1979), exact for any split of the data: with delta = mean_b - mean_a,
-    n = n_a + n_b,
+    numbers (float64, on the training device; the count a Python number). A batch is merged by the
+    parallel formula of Chan, Golub and LeVeque (1979), exact for any split of the data: with
+    delta = mean_b - mean_a and n = n_a + n_b,
 
-        mean = mean_a + delta n_b / n,   M2 = M2_a + M2_b + delta^2 n_a n_b / n,   var = M2 / n
+        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
 
-    (M2 = var * count). It starts, as gymnasium's and SB3's do, from a tiny count 1e-4 with mean 0
-    and variance 1, so that the first division is safe."""
+    (var * count is the sum of squared deviations, which merges by plain addition plus the delta
+    term). It starts, as gymnasium's and SB3's do, from a tiny count 1e-4 with mean 0 and variance 1,
+    so that the first division is safe."""
 
     def __init__(self, shape: tuple, device: torch.device, count: float = 1e-4,
                  var: float = 1.0):
-        self.count = torch.tensor(count, dtype=torch.float64, device=device)
+        self.count = count
         self.mean = torch.zeros(shape, dtype=torch.float64, device=device)
         self.var = torch.full(shape, var, dtype=torch.float64, device=device)
 
     def update(self, batch: torch.Tensor):
         """Add a batch [n, *shape] of numbers."""
-        batch = batch.to(torch.float64)
-        self.merge(torch.tensor(float(len(batch)), dtype=torch.float64, device=batch.device),
-                   batch.mean(0), batch.var(0, correction=0))
+        var, mean = torch.var_mean(batch.to(torch.float64), dim=0, correction=0)
+        self.merge(float(len(batch)), mean, var)
 
-    def merge(self, count: torch.Tensor, mean: torch.Tensor, var: torch.Tensor):
-        """Add the statistics of other numbers (changed in place, so inference mode may do it)."""
+    def merge(self, count: float, mean: torch.Tensor, var: torch.Tensor):
+        """Add the statistics of `count` other numbers (in place, so inference mode may do it)."""
+        if count == 0:
+            return
         total = self.count + count
         delta = mean - self.mean
-        m2 = self.var * self.count + var * count + delta ** 2 * self.count * count / total
-        self.mean.add_(delta * count / total)
-        self.var.copy_(m2 / total)
-        self.count.copy_(total)
+        self.var.mul_(self.count / total).add_(var, alpha=count / total)
+        self.var.add_(delta.square(), alpha=self.count * count / total ** 2)
+        self.mean.add_(delta, alpha=count / total)
+        self.count = total
 
     def moments(self) -> torch.Tensor:
         """[count, mean..., var...] as one flat tensor (what the ranks exchange)."""
-        return torch.cat([self.count.view(1), self.mean.flatten(), self.var.flatten()])
+        return torch.cat([self.mean.new_tensor([self.count]), self.mean.flatten(),
+                          self.var.flatten()])
 
     def merge_moments(self, moments: torch.Tensor):
         size = self.mean.numel()
-        self.merge(moments[0], moments[1:1 + size].view_as(self.mean),
+        self.merge(float(moments[0]), moments[1:1 + size].view_as(self.mean),
                    moments[1 + size:].view_as(self.var))
 
     def state_dict(self) -> dict:
-        return {"count": self.count.clone(), "mean": self.mean.clone(), "var": self.var.clone()}
+        return {"count": self.mean.new_tensor(self.count), "mean": self.mean.clone(),
+                "var": self.var.clone()}
 
     def load_state_dict(self, state: dict):
-        for name in ("count", "mean", "var"):
-            getattr(self, name).copy_(state[name])
+        self.count = float(state["count"])
+        self.mean.copy_(state["mean"])
+        self.var.copy_(state["var"])
 
 
 class Normalizer:
     """What the trainer does to observations and rewards before PPO sees them (37 details,
     continuous #6-#9), as CleanRL's continuous PPO and SB3's VecNormalize do, with the statistics
     in the learner: one set for all the games, saved in the checkpoint, restored by --resume,
-    frozen by --eval, and under torchrun merged over the ranks after each rollout.
+    frozen by --eval, and under torchrun (`shared`) merged over the ranks after each rollout.
 
     - Observation normalisation (continuous #6): obs <- (obs - mean) / sqrt(var + 1e-8), with the
       running statistics of every observation the policy was given, this batch included.
@@ -668,15 +675,17 @@ class Normalizer:
     """
 
     def __init__(self, config: Config, obs_size: int, device: torch.device,
-                 num_envs: Optional[int] = None):
-        self.config = config
+                 num_envs: Optional[int] = None, shared: bool = False):
+        self.config, self.shared = config, shared
         self.obs_stats = RunningMeanStd((obs_size,), device)
         self.return_stats = RunningMeanStd((), device)
         self.returns = torch.zeros(num_envs or config.num_envs, dtype=torch.float64, device=device)
         self.start_rollout()
 
     def start_rollout(self):
-        """Under torchrun, each rank also keeps apart what its own rollout adds (from count 0)."""
+        """Shared over ranks, each rank also keeps apart what its own rollout adds (from count 0)."""
+        if not self.shared:
+            return
         device = self.returns.device
         self.rollout_obs = RunningMeanStd(self.obs_stats.mean.shape, device, count=0.0, var=0.0)
         self.rollout_returns = RunningMeanStd((), device, count=0.0, var=0.0)
@@ -688,7 +697,8 @@ class Normalizer:
             return obs
         if update:
             self.obs_stats.update(obs)
-            self.rollout_obs.update(obs)
+            if self.shared:
+                self.rollout_obs.update(obs)
         stats, clip = self.obs_stats, self.config.obs_clip
         normalised = (obs - stats.mean) / torch.sqrt(stats.var + 1e-8)
         return normalised.clamp(-clip, clip).to(torch.float32)
@@ -699,7 +709,8 @@ class Normalizer:
             return rewards.clone()
         self.returns.mul_(self.config.gamma).add_(rewards)
         self.return_stats.update(self.returns)
-        self.rollout_returns.update(self.returns)
+        if self.shared:
+            self.rollout_returns.update(self.returns)
         self.returns.masked_fill_(ended, 0.0)
         scaled = rewards / torch.sqrt(self.return_stats.var + 1e-8)
         return scaled.clamp(-self.config.reward_clip, self.config.reward_clip).to(torch.float32)
@@ -709,15 +720,16 @@ class Normalizer:
         merged exactly into the statistics from before the rollout, in rank order, so that every
         rank holds the statistics of the union of all the ranks' data (not an average of
         variances). Alone, the statistics already hold everything: nothing to do."""
-        if ranks.distributed:
-            shared = ranks.gather_tensors(torch.cat([self.rollout_obs.moments(),
-                                                     self.rollout_returns.moments()]))
-            self.obs_stats.load_state_dict(self.before_rollout[0])
-            self.return_stats.load_state_dict(self.before_rollout[1])
-            size = len(self.rollout_obs.moments())
-            for moments in shared:
-                self.obs_stats.merge_moments(moments[:size])
-                self.return_stats.merge_moments(moments[size:])
+        if not self.shared:
+            return
+        shared = ranks.gather_tensors(torch.cat([self.rollout_obs.moments(),
+                                                 self.rollout_returns.moments()]))
+        self.obs_stats.load_state_dict(self.before_rollout[0])
+        self.return_stats.load_state_dict(self.before_rollout[1])
+        size = len(self.rollout_obs.moments())
+        for moments in shared:
+            self.obs_stats.merge_moments(moments[:size])
+            self.return_stats.merge_moments(moments[size:])
         self.start_rollout()
 
     def state_dict(self) -> dict:

@@ -132,7 +132,7 @@ def test_running_mean_std_against_hand_computed_values():
     n = 1e-4 + 2
     mean = 2 * 2 / n  # delta 2, n_b 2
     var = (1e-4 * 1 + 2 * 1 + 2 ** 2 * 1e-4 * 2 / n) / n  # M2_a + M2_b + delta^2 n_a n_b / n
-    assert stats.count.item() == pytest.approx(n)
+    assert stats.count == pytest.approx(n)
     assert stats.mean.item() == pytest.approx(mean, rel=1e-12)
     assert stats.var.item() == pytest.approx(var, rel=1e-12)
 
@@ -144,7 +144,7 @@ def test_merging_two_halves_gives_the_statistics_of_the_union():
         first.update(chunk)
     second.update(data[300:])
     first.merge_moments(second.moments())
-    assert first.count.item() == 1000
+    assert first.count == 1000
     assert torch.allclose(first.mean, data.mean(0), rtol=1e-12)
     assert torch.allclose(first.var, data.var(0, correction=0), rtol=1e-10)
 
@@ -156,9 +156,9 @@ def test_observations_are_normalised_then_clipped():
     stats = normalizer.obs_stats
     expected = ((obs.double() - stats.mean) / torch.sqrt(stats.var + 1e-8)).clamp(-1, 1)
     assert torch.allclose(out, expected.float()) and out.dtype == torch.float32
-    assert out[2, 1] == -1.0 and stats.count.item() == pytest.approx(3 + 1e-4)
+    assert out[2, 1] == -1.0 and stats.count == pytest.approx(3 + 1e-4)
     frozen = normalizer.observations(obs, update=False)
-    assert torch.equal(frozen, out) and stats.count.item() == pytest.approx(3 + 1e-4)
+    assert torch.equal(frozen, out) and stats.count == pytest.approx(3 + 1e-4)
 
 
 def test_reward_scaling_restarts_the_return_at_every_episode_end_truncation_included():
@@ -239,7 +239,7 @@ def test_the_checkpoint_holds_the_statistics_eval_freezes_them_and_resume_restor
     # --resume continues from the saved statistics.
     resumed = pc.Main(pc.Config(resume=str(run_dir / "checkpoint.pt"), total_timesteps=3 * BATCH))
     resumed.run()
-    assert resumed.normalizer.obs_stats.count.item() == pytest.approx(1e-4 + 4 * (2 + 3 * 32))
+    assert resumed.normalizer.obs_stats.count == pytest.approx(1e-4 + 4 * (2 + 3 * 32))
     assert checkpoint_of(run_dir)["global_step"] == 3 * BATCH
 
 
