@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 from harness import (REPO_ROOT, Learning, check_ready, fmt, learning_report, machine,
-                     machine_line, run_learning, run_ours_logged, run_sb3_logged, save_run,
-                     sb3_learn_and_record, warn_if_busy)
+                     machine_line, random_episodes, run_learning, run_ours_logged, run_sb3_logged,
+                     save_run, sb3_learn_and_record, warn_if_busy)
 
 SCRIPT = REPO_ROOT / "ppo_continuous.py"
 PACKAGES = ("torch", "gymnasium", "mujoco", "stable-baselines3", "numpy")
@@ -129,23 +129,7 @@ def learning(args):
             return run_ours_logged(SCRIPT, script_args, f"{variant}_seed{seed}", run_args)
 
         def play_random(run_args, env_id=env_id):
-            import gymnasium as gym
-
-            env = gym.make(env_id)
-            env.action_space.seed(run_args.random_seed)
-            returns, lengths = [], []
-            env.reset(seed=run_args.random_seed)
-            while len(returns) < run_args.random_count:
-                total, length, done = 0.0, 0, False
-                while not done:
-                    _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
-                    total, length, done = total + float(reward), length + 1, terminated or truncated
-                returns.append(total)
-                lengths.append(length)
-                env.reset()
-            env.close()
-            return returns, lengths, (f"gymnasium.make({env_id!r}), reset(seed="
-                                      f"{run_args.random_seed}) once, action_space.sample()")
+            return random_episodes(env_id, run_args.random_count, run_args.random_seed)
 
         if args.plot_only:
             learning_report(bench, env_args)

@@ -51,8 +51,8 @@ import time
 
 from harness import (REPO_ROOT, Learning, check_learning_arguments, check_ready, fmt,
                      learning_arguments, learning_report, load_runs, machine, machine_line,
-                     run_learning, run_our_script, run_ours_logged, run_sb3_logged, report_failure,
-                     save_run, sb3_learn_and_record)
+                     random_episodes, run_learning, run_our_script, run_ours_logged, run_sb3_logged,
+                     report_failure, save_run, sb3_learn_and_record)
 
 ENV = "Pendulum-v1"
 TARGET_RETURN = -200
@@ -108,24 +108,7 @@ def sb3_child(seed, out_file, total_timesteps):
 
 def play_random(args):
     """`args.random_count` episodes of uniformly random torques: (returns, lengths, how)."""
-    import gymnasium as gym
-
-    env = gym.make(ENV)
-    env.action_space.seed(args.random_seed)
-    returns, lengths = [], []
-    env.reset(seed=args.random_seed)  # seeded once; each later reset goes on from there
-    while len(returns) < args.random_count:
-        total, length, done = 0.0, 0, False
-        while not done:
-            _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
-            total, length, done = total + float(reward), length + 1, terminated or truncated
-        returns.append(total)
-        lengths.append(length)
-        env.reset()
-    env.close()
-    command = (f"in this process: gymnasium.make({ENV!r}), reset(seed={args.random_seed}) once, "
-               f"action_space.seed({args.random_seed}), action_space.sample()")
-    return returns, lengths, command
+    return random_episodes(ENV, args.random_count, args.random_seed)
 
 
 def run_variant(variant, seed, args):
@@ -197,10 +180,10 @@ def time_table(args):
                     startups.append(record["startup_seconds"])
         reached = [x for x in seconds.values() if x is not None]
         medians[variant] = statistics.median(reached) if len(reached) == len(args.seeds) else None
+        startup = statistics.median(startups) if startups else None
         cells_of[variant] = ("".join(f" {fmt(seconds.get(s), '.1f')} ({fmt(steps.get(s), ',')}) |"
                                      for s in args.seeds)
-                             + f" {fmt(medians[variant], '.1f')} |"
-                             + f" {fmt(statistics.median(startups) if startups else None, '.1f')} |")
+                             + f" {fmt(medians[variant], '.1f')} | {fmt(startup, '.1f')} |")
     for variant, label in rows.items():
         ratio = (medians["sb3"] / medians[variant]
                  if medians.get("sb3") and medians[variant] else None)

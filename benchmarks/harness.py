@@ -428,6 +428,28 @@ def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start):
     Path(out_file).write_text(json.dumps(result))
 
 
+def random_episodes(env_id, count, seed):
+    """`count` episodes of `env_id` with actions from its own action space's `sample()`, seeded once
+    with `seed` (env and actions): (returns, lengths, a description of how, for runs.json)."""
+    import gymnasium as gym
+
+    env = gym.make(env_id)
+    env.action_space.seed(seed)
+    returns, lengths = [], []
+    env.reset(seed=seed)  # seeded once; each later reset goes on from there
+    while len(returns) < count:
+        total, length, done = 0.0, 0, False
+        while not done:
+            _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
+            total, length, done = total + float(reward), length + 1, terminated or truncated
+        returns.append(total)
+        lengths.append(length)
+        env.reset()
+    env.close()
+    return returns, lengths, (f"in this process: gymnasium.make({env_id!r}), reset(seed={seed}) "
+                              f"once, action_space.seed({seed}), action_space.sample()")
+
+
 def sb3_zoo_cartpole(seed):
     """(env, model): Stable-Baselines3 PPO with rl-baselines3-zoo's tuned CartPole-v1
     hyperparameters (8 envs, n_steps 32, batch 256, 20 epochs, gamma 0.98, GAE lambda 0.8, no

@@ -8,7 +8,8 @@ from conftest import ROOT
 
 BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # The latest line the banner may stand on: the lesson stays short enough to read in one sitting.
-LESSON_LINES = {"ppo_cartpole.py": 600, "ppo_atari.py": 700, "ppo_continuous.py": 600}
+LESSON_LINES = {"ppo_cartpole.py": 600, "ppo_atari.py": 700, "ppo_continuous.py": 600,
+                "ppo_memory.py": 600, "ppo_multiagent.py": 800}
 LESSON = ["Config", "Game", "Worker", "Model", "compute_gae", "Minibatch", "Trainer", "Main"]
 MAIN_METHODS = ["__init__", "run", "train", "anneal_learning_rate", "collect_rollout",
                 "estimate_advantages", "learn"]

@@ -18,12 +18,16 @@ SMALL = {  # a few updates of each, in worker processes (a notebook forks them t
     "ppo_atari": "num_envs=2, num_steps=32, num_workers=2, num_minibatches=2, total_timesteps=128, "
                  "env_backend='game', compile=False",
     "ppo_continuous": "num_envs=8, num_steps=16, num_workers=2, total_timesteps=512",
+    "ppo_memory": "memory='lstm', num_envs=8, num_steps=16, num_workers=2, total_timesteps=512",
+    "ppo_multiagent": "num_envs=4, num_steps=25, num_workers=2, total_timesteps=600",
 }
 # The flags of a short `%run` of each: a budget first, as `--total-timesteps N`.
 PERCENT_RUN = {"ppo_cartpole": "--total-timesteps 20000",
                "ppo_atari": "--total-timesteps 128 --num-envs 2 --num-steps 32 "
                             "--num-minibatches 2 --no-compile",
-               "ppo_continuous": "--total-timesteps 2048 --num-envs 4 --num-steps 64"}
+               "ppo_continuous": "--total-timesteps 2048 --num-envs 4 --num-steps 64",
+               "ppo_memory": "--total-timesteps 4096 --num-envs 8 --num-steps 32",
+               "ppo_multiagent": "--total-timesteps 600 --num-envs 4"}
 # What a run may differ in from a same-seed run: the clock.
 TIMINGS = {"seconds", "warmup_seconds", "steps_per_second", "solved_seconds", "checkpoint"}
 
