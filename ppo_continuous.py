@@ -611,8 +611,8 @@ class RunningMeanStd:
         mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
 
     (var * count is the sum of squared deviations, which merges by plain addition plus the delta
-    term). It starts, as gymnasium's and SB3's do, from a tiny count 1e-4 with mean 0 and variance 1,
-    so that the first division is safe."""
+    term). It starts, as gymnasium's and SB3's do, from a tiny count 1e-4 with mean 0 and
+    variance 1, so that the first division is safe."""
 
     def __init__(self, shape: tuple, device: torch.device, count: float = 1e-4,
                  var: float = 1.0):
@@ -683,7 +683,7 @@ class Normalizer:
         self.start_rollout()
 
     def start_rollout(self):
-        """Shared over ranks, each rank also keeps apart what its own rollout adds (from count 0)."""
+        """Shared over ranks, each rank keeps apart what its own rollout adds (from count 0)."""
         if not self.shared:
             return
         device = self.returns.device
