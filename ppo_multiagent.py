@@ -1459,21 +1459,6 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     config = Config(**saved)
-    for f in fields:
-        value = getattr(given, f.name)
-        if value != f.default:
-            if f.name in ("env", "hidden_size") and value != saved.get(f.name):
-                raise UsageError(f"the checkpoint was trained with --{f.name.replace('_', '-')} "
-                                 f"{saved.get(f.name)}, not {value}")
-            config = dataclasses.replace(config, **{f.name: value})
-    return config
-def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). A different env or network
-    is refused."""
-    fields = dataclasses.fields(Config)
-    saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
-    config = Config(**saved)
     fixed = ("env", "env_kwargs", "hidden_size", "agent_id", "central_value")
     for f in fields:
         value = getattr(given, f.name)
