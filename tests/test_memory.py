@@ -261,7 +261,9 @@ def test_eval_carries_the_memory_as_training_does(kind, tmp_path, monkeypatch):
                                                       model.initial_memory(1), actions)
     assert starts.sum() == 3  # a start flag at each game's first step
     torch.testing.assert_close(log_probs, torch.cat([step[3] for step in steps]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(values, torch.cat([step[4] for step in steps]), atol=1e-6, rtol=0)
+    # Values reach ~10: float32 sums in another order may differ in the last bit (~1e-6 there).
+    torch.testing.assert_close(values, torch.cat([step[4] for step in steps]), atol=1e-6,
+                               rtol=1e-6)
 
 
 def test_command_line_checkpoint_resume_and_eval_keep_the_memory(tmp_path):

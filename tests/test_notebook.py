@@ -73,7 +73,9 @@ def test_pasted_into_a_cell_it_defines_everything_and_starts_nothing(script, tmp
         {key: value for key, value in second.items() if key not in TIMINGS}
     assert outputs[4] == outputs[0]  # SIGINT handler and thread count as before the runs
     refused, state = outputs[5].splitlines()
-    assert refused.startswith("refused: unknown env 'NoSuchEnv-v0'") and state + "\n" == outputs[0]
+    # Each script says why in its own words (an unknown gymnasium id, or not a PettingZoo module).
+    assert refused.startswith("refused: ") and "'NoSuchEnv-v0'" in refused
+    assert state + "\n" == outputs[0]
 
 
 @pytest.mark.parametrize("script", sorted(SMALL))
