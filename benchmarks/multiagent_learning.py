@@ -110,6 +110,7 @@ def sb3_child(seed, out_file, total_timesteps):
     import supersuit as ss
     from mpe2 import simple_spread_v3
     from stable_baselines3 import PPO
+    from stable_baselines3.common.utils import set_random_seed
     from stable_baselines3.common.vec_env import VecMonitor
 
     env = simple_spread_v3.parallel_env()
@@ -117,8 +118,10 @@ def sb3_child(seed, out_file, total_timesteps):
     env = ss.pettingzoo_env_to_vec_env_v1(env)
     env = ss.concat_vec_envs_v1(env, 8, num_cpus=2, base_class="stable_baselines3")
     env = VecMonitor(env)
-    model = PPO("MlpPolicy", env, learning_rate=1e-3, batch_size=256, seed=seed, device="cpu",
-                verbose=0)
+    # Not PPO(seed=...): it calls env.seed(), which SuperSuit's vector envs lack (AttributeError,
+    # and the worker processes of num_cpus=2 then keep the child alive). The env is seeded above.
+    set_random_seed(seed)
+    model = PPO("MlpPolicy", env, learning_rate=1e-3, batch_size=256, device="cpu", verbose=0)
     sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start)
 
 
