@@ -1561,9 +1561,10 @@ def write_frame(video, game: Game, path: Path):
 
 
 # The settings that differ between the kinds of memory: Config's fields left at None take these.
-# The recurrent kinds share their encoder and cell between actor and critic (CleanRL's LSTM PPO):
-# a small value-loss weight keeps the value's large errors (returns up to ~50) from steering the
-# features the policy reads, and 128 units learn faster (benchmarks/README.md).
+# The recurrent kinds share their encoder and cell between actor and critic (CleanRL's LSTM PPO),
+# so the value loss (returns up to ~50) pulls on the features the policy reads too. At the usual
+# weight of 0.5, 200k steps left some seeds below 475; at 0.03 with 128 units, none did
+# (benchmarks/README.md).
 KIND_DEFAULTS = {
     "none": dict(learning_rate=8e-3, num_steps=32, num_minibatches=2, update_epochs=8,
                  hidden_size=64, vf_coef=0.5),
