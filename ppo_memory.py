@@ -1561,21 +1561,21 @@ def write_frame(video, game: Game, path: Path):
 
 
 # The settings that differ between the kinds of memory: Config's fields left at None take these.
-# The recurrent kinds share their encoder and cell between actor and critic (CleanRL's LSTM PPO),
-# so the value loss (returns up to ~50) pulls on the features the policy reads too. At the usual
-# weight of 0.5, 200k steps left some seeds below 475; at 0.03 with 128 units, none did
-# (benchmarks/README.md).
+# The MLP kinds keep separate actor and critic networks. lstm, gru and attention share their encoder
+# and memory between actor and critic (CleanRL's LSTM PPO), so the value loss (returns up to ~50)
+# pulls on the features the policy reads too: at the usual weight of 0.5, lstm and gru ended 200k
+# steps below 475 on some seeds; at 0.03 with 128 units, on none; attention at 0.03 reached 475
+# within 500k steps on seeds 1-3 (benchmarks/README.md).
+MLP_DEFAULTS = dict(learning_rate=8e-3, num_steps=32, num_minibatches=2, update_epochs=8,
+                    hidden_size=64, vf_coef=0.5)
+SHARED_CORE_DEFAULTS = dict(learning_rate=3e-3, num_steps=32, num_minibatches=4, update_epochs=8,
+                            vf_coef=0.03)
 KIND_DEFAULTS = {
-    "none": dict(learning_rate=8e-3, num_steps=32, num_minibatches=2, update_epochs=8,
-                 hidden_size=64, vf_coef=0.5),
-    "framestack": dict(learning_rate=8e-3, num_steps=32, num_minibatches=2, update_epochs=8,
-                       hidden_size=64, vf_coef=0.5),
-    "lstm": dict(learning_rate=3e-3, num_steps=32, num_minibatches=4, update_epochs=8,
-                 hidden_size=128, vf_coef=0.03),
-    "gru": dict(learning_rate=3e-3, num_steps=32, num_minibatches=4, update_epochs=8,
-                hidden_size=128, vf_coef=0.03),
-    "attention": dict(learning_rate=3e-3, num_steps=32, num_minibatches=4, update_epochs=8,
-                      hidden_size=64, vf_coef=0.03),
+    "none": MLP_DEFAULTS,
+    "framestack": MLP_DEFAULTS,
+    "lstm": dict(SHARED_CORE_DEFAULTS, hidden_size=128),
+    "gru": dict(SHARED_CORE_DEFAULTS, hidden_size=128),
+    "attention": dict(SHARED_CORE_DEFAULTS, hidden_size=64),
 }
 
 
