@@ -60,7 +60,7 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     expected_keys = {"script", "env", "seed", "steps", "seconds", "warmup_seconds", "steps_per_second", "episodes",
                      "mean_return_100", "target_return", "solved_step", "solved_seconds", "interrupted",
-                     "checkpoint", "world_size"}
+                     "checkpoint", "world_size", "resumed_at_step"}
     assert set(summary) == expected_keys
     assert summary["steps"] == 2048 and summary["interrupted"] is False and summary["world_size"] == 1
     assert list(run_dir.glob("events.out.tfevents.*"))

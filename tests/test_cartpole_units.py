@@ -156,47 +156,77 @@ def test_adam_matches_torch_optim_adam():
         assert torch.allclose(p, q, atol=1e-6)
 
 
+def games_of(env_id, count, seed=0):
+    """`count` Games as a Worker holds them (game i seeded with seed + i), and their observations."""
+    games = [pc.Game(env_id, seed + i) for i in range(count)]
+    return games, np.stack([game.reset() for game in games])
+
+
 def test_game_reports_episode_and_final_obs_and_resets_itself():
-    game = pc.Game("TestCount-v0", seed=0, num_envs=2)  # truncated after 3 steps
-    assert game.reset().tolist() == [[0.0], [0.0]]
-    for t in (1, 2):
-        obs, rewards, terminated, truncated, info = game.step(np.array([[0], [1]]))
-        assert obs.tolist() == [[t], [t]] and rewards.tolist() == [1, 1] and info == {}
-        assert not terminated.any() and not truncated.any()
-    obs, rewards, terminated, truncated, info = game.step(np.array([[1], [0]]))
-    assert not terminated.any() and truncated.all()
-    assert info["_final_obs"].tolist() == [True, True] and info["final_obs"].tolist() == [[3.0], [3.0]]
+    games, obs = games_of("TestCount-v0", 2)  # truncated after 3 steps
     assert obs.tolist() == [[0.0], [0.0]]
-    assert info["episode"]["return"].tolist() == [3.0, 3.0] and info["episode"]["length"].tolist() == [3, 3]
+    for t in (1, 2):
+        rewards, terminated, truncated, final_obs, episodes = pc.Worker.step_games(games, np.array([[0], [1]]), obs)
+        assert obs.tolist() == [[t], [t]] and rewards.tolist() == [1, 1] and final_obs == episodes == {}
+        assert not terminated.any() and not truncated.any()
+    rewards, terminated, truncated, final_obs, episodes = pc.Worker.step_games(games, np.array([[1], [0]]), obs)
+    assert not terminated.any() and truncated.all()
+    assert {i: o.tolist() for i, o in final_obs.items()} == {0: [3.0], 1: [3.0]}
+    assert obs.tolist() == [[0.0], [0.0]]
+    assert episodes == {0: {"return": 3.0, "length": 3}, 1: {"return": 3.0, "length": 3}}
+
+
+def test_games_step_exactly_as_gymnasiums_same_step_vector_env():
+    """N Games seeded seed + i give, bit for bit, what gymnasium's SyncVectorEnv in same-step mode gives."""
+    games, obs = games_of("Acrobot-v1", 3, seed=5)
+    library = gym.make_vec("Acrobot-v1", 3, vectorization_mode="sync",
+                           vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    library_obs, _ = library.reset(seed=5)
+    assert np.array_equal(obs, library_obs)
+    rng, ended = np.random.default_rng(0), 0
+    for _ in range(1200):
+        actions = rng.integers(0, 3, size=(3, 1))
+        rewards, terminated, truncated, final_obs, _ = pc.Worker.step_games(games, actions, obs)
+        library_obs, library_rewards, library_terminated, library_truncated, info = library.step(actions[:, 0])
+        assert np.array_equal(obs, library_obs) and np.array_equal(rewards, library_rewards.astype(np.float32))
+        assert np.array_equal(terminated, library_terminated) and np.array_equal(truncated, library_truncated)
+        for i, final in final_obs.items():
+            ended += 1
+            assert np.array_equal(final, info["final_obs"][i])
+    assert ended >= 3  # Acrobot's random play is cut at 500 steps
 
 
 def test_game_converts_actions_to_the_env_form():
-    assert pc.Game("TestGuessDims-v0", 0, 2).env_actions(np.array([[2, 3], [0, 1]])).tolist() == [[2, 3], [0, 1]]
-    assert pc.Game("TestCopyBits-v0", 0, 1).env_actions(np.array([[1, 0, 1, 1]])).tolist() == [[1, 0, 1, 1]]
-    assert pc.Game("CartPole-v1", 0, 2).env_actions(np.array([[1], [0]])).tolist() == [1, 0]
+    assert pc.Game("TestGuessDims-v0", 0).env_action(np.array([2, 3])).tolist() == [2, 3]
+    assert pc.Game("TestCopyBits-v0", 0).env_action(np.array([1, 0, 1, 1])).tolist() == [1, 0, 1, 1]
+    assert pc.Game("CartPole-v1", 0).env_action(np.array([1])) == 1
+
+
+def cartpole_engine(env_id, count, seed):
+    obs = np.zeros((count, 4), np.float32)
+    return pc.CartPoleGames().start_games(env_id, seed, obs), obs
 
 
 def test_same_step_cartpole_follows_the_library_step_by_step():
     """Our CartPole restarts an ended pole at once; gymnasium's CartPoleVectorEnv one call later, ignoring
     that call's action. With one pole and the same seed, both must give the same numbers once the
     library's restart call (and its reward 0) is taken out."""
-    ours = pc.Game("CartPole-v1", seed=7, num_envs=1)
+    poles, ours_obs = cartpole_engine("CartPole-v1", 1, seed=7)
     library = gym.make_vec("CartPole-v1", num_envs=1, vectorization_mode="vector_entry_point")
-    assert isinstance(ours.envs, pc.SameStepCartPole)
-    ours_obs = ours.reset()
+    assert isinstance(poles, pc.SameStepCartPole)
     library_obs, _ = library.reset(seed=7)
     assert np.array_equal(ours_obs, library_obs)
     rng = np.random.default_rng(0)
     episodes = 0
     for _ in range(3000):
         action = rng.integers(0, 2, size=1)
-        ours_obs, reward, terminated, truncated, info = ours.step(action[:, None])
+        reward, terminated, truncated, final_obs, _ = pc.CartPoleGames.step_games(poles, action[:, None], ours_obs)
         library_obs, library_reward, library_terminated, library_truncated, _ = library.step(action)
         assert reward[0] == library_reward[0] and terminated[0] == library_terminated[0]
         assert truncated[0] == library_truncated[0]
         if terminated[0] or truncated[0]:
             episodes += 1
-            assert np.array_equal(info["final_obs"], library_obs)
+            assert np.array_equal(final_obs[0], library_obs[0])
             library_obs, library_reward, _, _, _ = library.step(np.array([0]))  # the library's restart call
             assert library_reward[0] == 0
         assert np.array_equal(ours_obs, library_obs)
@@ -204,8 +234,9 @@ def test_same_step_cartpole_follows_the_library_step_by_step():
 
 
 def test_cartpole_v0_keeps_its_time_limit():
-    game = pc.Game("CartPole-v0", seed=0, num_envs=1)
-    assert game.envs.max_episode_steps == 200
+    poles, _ = cartpole_engine("CartPole-v0", 1, seed=0)
+    assert poles.max_episode_steps == 200
+    assert pc.Game("CartPole-v0", 0).env.spec.max_episode_steps == 200
 
 
 def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path):
@@ -234,7 +265,7 @@ def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path
     first, second = values_of_final_obs[0][1][0], values_of_final_obs[1][1][0]
     expected = [1, 1, 1 + gamma * first, 1, 1, 1 + gamma * second, 1]
     assert main.rollout.rewards[:, 0].tolist() == pytest.approx(expected, abs=1e-6)
-    assert main.guard.episodes == 4
+    assert main.guard.log.episodes == 4
 
 
 def test_inspect_env_describes_the_spaces():
