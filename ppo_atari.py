@@ -3,61 +3,29 @@
 Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the Atari preprocessing of
 DeepMind's DQN (Mnih et al., 2015) and the implementation details of CleanRL and Stable-Baselines3
 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details"), each named where it is
-implemented. Their published scores (10M steps: Breakout ~400, Pong ~20) are the yardstick.
-
-The idea. A policy-gradient method improves a policy with games the policy itself just played; the
-games then describe an older policy, so plain policy gradient uses each batch once. PPO reuses each
-batch ("rollout") for several epochs of minibatch steps, and keeps the new policy near the one that
-collected the data by clipping the probability ratio r_t = pi(a_t | s_t) / pi_old(a_t | s_t) in its
-objective (PPO paper, eq. 7), so that a step gains nothing by moving r_t beyond [1 - eps, 1 + eps]:
-
-    L_clip = mean_t min( r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t )
-
-The advantage A_t says how much better action a_t did than the value V(s_t) expected. Generalized
-Advantage Estimation (GAE, Schulman et al., 2016) weighs the one-step errors of V by gamma * lambda:
-
-    A_t = sum_k (gamma lambda)^k delta_(t+k),   delta_t = r_t + gamma V(s_(t+1)) - V(s_t)
-
-Read it top to bottom: `Config`, `Game` (one preprocessed game), `Worker` (Games in a child
-process), `Model` (the Nature CNN), `compute_gae` and `Trainer` (a clipped PPO step), `Main` (the
-loop). PPO is complete at the banner; below it, the machinery: ale-py's C++ engine, frames stored
-once, torchrun, bookkeeping, checkpoints, evaluation, the CLI.
+implemented; their published scores (10M steps: Breakout ~400, Pong ~20) are the yardstick. The
+idea: play a rollout with the current policy, estimate each action's advantage A_t with GAE
+(`compute_gae` derives it), then learn from the rollout for several epochs, keeping the new policy
+near the one that played by clipping the probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t)
+(`Trainer.ppo_loss` derives it). Read it top to bottom, `Config` to `Main`: the banner ends the
+lesson, and the machinery below it may be skipped.
 
 Run it:         python ppo_atari.py --env BreakoutNoFrameskip-v4   (--help lists every flag)
-On N GPUs:      torchrun --standalone --nproc_per_node N ppo_atari.py   (data parallel: `Ranks`)
+On N GPUs:      torchrun --standalone --nproc_per_node N ppo_atari.py   (data parallel)
 In a notebook:  from ppo_atari import Config, Main; Main(Config(total_timesteps=50_000)).run()
                 (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
 10M steps take hours even on a GPU; on a 2-core CPU, 6 or 7 hours (see README).
 """
 
 import argparse
-import copy
 import dataclasses
 import difflib
-import hashlib
-import json
 import math
-import multiprocessing.connection  # (binds `multiprocessing` too)
-import os
-import random
-import signal
+import multiprocessing
 import sys
-import threading
-import time
 import typing
-from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
-from pathlib import Path
 from typing import Optional
-
-import ale_py  # importing it registers the Atari ids (ALE/*-v5, *NoFrameskip-v4) with gymnasium
-import cv2
-import gymnasium as gym
-import numpy as np
-import torch
-import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
-import torch.nn as nn
 
 SCRIPT = "ppo_atari"
 FRAME_SIZE = 84  # DQN's observation: 84x84 grayscale
@@ -65,9 +33,13 @@ FRAME_STACK = 4  # the last 4 frames, so that the network can see motion
 FRAME_SKIP = 4  # each action is repeated for 4 emulator frames
 
 
-def option(default, help):
-    """A Config field with its one-line explanation, which `--help` prints."""
-    return field(default=default, metadata={"help": help})
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+
+
+def option(default, help, check=None):
+    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
+    return field(default=default, metadata={"help": help, "check": check})
 
 
 @dataclass
@@ -76,142 +48,147 @@ class Config:
     The defaults are the PPO paper's Atari settings, as CleanRL's ppo_atari.py uses them."""
 
     # PPO's hyperparameters.
-    learning_rate: float = option(2.5e-4, "Adam step size at the start, annealed linearly to 0")
+    learning_rate: float = option(2.5e-4, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.99, "discount factor")
-    gae_lambda: float = option(0.95, "GAE lambda: bias (0) vs variance (1) of the advantage")
-    num_minibatches: int = option(4, "minibatches each rollout is split into")
-    update_epochs: int = option(4, "passes over each rollout")
-    clip_coef: float = option(0.1, "PPO's clip range for the probability ratio")
+    gamma: float = option(0.99, "discount factor", "(0, 1]")
+    gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
+    num_minibatches: int = option(4, "minibatches each rollout is split into", "> 0")
+    update_epochs: int = option(4, "passes over each rollout", "> 0")
+    clip_coef: float = option(0.1, "PPO's clip range for the probability ratio", "> 0")
     clip_value_loss: bool = option(True, "clip the value update around the rollout's values too")
-    ent_coef: float = option(0.01, "weight of the entropy bonus")
-    vf_coef: float = option(0.5, "weight of the value loss")
-    max_grad_norm: float = option(0.5, "clip the global gradient norm to this")
-    target_kl: Optional[float] = option(None, "stop an update's epochs once approx KL exceeds this")
+    ent_coef: float = option(0.01, "weight of the entropy bonus", ">= 0")
+    vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
+    max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
+    target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
 
     # Collecting experience.
     env: str = option("BreakoutNoFrameskip-v4", "Atari game id: *NoFrameskip-v4 or ALE/*-v5")
-    # ale-vector is the faster engine; tests/test_atari_game.py checks both play the same games.
-    env_backend: str = option("ale-vector", "ale-vector: ale-py's C++ vector env | game: the Game "
-                                            "class, in --num-workers processes")
-    num_envs: int = option(8, "games played side by side (by each rank, under torchrun)")
-    num_workers: int = option(2, "with --env-backend game: child processes for the games (0: here)")
-    num_steps: int = option(128, "steps per game in a rollout: a rollout is num_envs * num_steps")
+    env_backend: str = option("ale-vector", "ale-vector (ale-py's C++ engine) | game (Workers)")
+    num_envs: int = option(8, "games played side by side (by each rank, under torchrun)", "> 0")
+    num_workers: int = option(2, "child processes for --env-backend game (0 = in this one)", ">= 0")
+    num_steps: int = option(128, "steps per game in a rollout of num_envs * num_steps", "> 0")
 
     # The run.
-    seed: int = option(1, "seeds everything; game i of rank r gets seed + r * num_envs + i")
-    total_timesteps: int = option(10_000_000, "agent steps (4 frames each) of all games and ranks")
+    seed: int = option(1, "seeds everything; game i of rank r gets seed + r * num_envs + i", ">= 0")
+    total_timesteps: int = option(10_000_000, "agent steps over all games (and ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
     run_dir: Optional[str] = option(
         None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
+    overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean score of 100 games")
-    checkpoint_every: int = option(500_000, "save a checkpoint every this many steps, and last")
-    resume: Optional[str] = option(None, "continue training from this checkpoint")
-    eval: Optional[str] = option(None, "play --eval-episodes whole games with this checkpoint")
-    eval_episodes: int = option(10, "games played by --eval")
+    checkpoint_every: int = option(500_000, "save a checkpoint every this many steps", "> 0")
+    resume: Optional[str] = option(None, "continue training from this checkpoint or run folder")
+    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint or run")
+    eval_episodes: int = option(10, "whole games (all lives) played by --eval", "> 0")
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(True, "torch.compile inference and the update (eager where it cannot)")
-    # reduce-overhead records CUDA graphs: one launch replays a whole forward or backward.
-    compile_mode: str = option("default", "torch.compile mode: default | reduce-overhead (CUDA "
-                                          "graphs, for GPUs) | max-autotune")
-    # bfloat16 is faster on CPUs with AMX and on recent GPUs, but rounds the body's numbers:
-    # float32, as every published PPO result, is the default (benchmarks/README.md).
-    precision: str = option("float32", "float32 | bfloat16: the network's body in bfloat16")
+    compile_mode: str = option("default", "torch.compile: default | reduce-overhead | max-autotune")
+    precision: str = option("float32", "float32 | bfloat16 (the body; faster with AMX, new GPUs)")
+
+
+def parse_config(argv=None) -> Config:
+    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
+    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
+
+    def refuse(message: str):
+        typed = [word for word in message.split() if word.startswith("--")]
+        close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
+        hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
+        print(f"error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+    def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
+        try:
+            number = float(text.replace("_", ""))
+        except ValueError:
+            number = math.nan
+        if not number.is_integer():
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
+        return int(number)
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.error = refuse
+    for flag, f in flags.items():
+        kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
+        parser.add_argument(flag, default=f.default, help=f.metadata["help"],
+                            **({"action": argparse.BooleanOptionalAction} if kind is bool else
+                               {"type": whole_number if kind is int else kind}))
+    return Config(**vars(parser.parse_args(argv)))
+
+
+if __name__ == "__main__" and "__file__" in globals():
+    parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
+
+import ale_py  # importing it registers the Atari ids (ALE/*-v5, *NoFrameskip-v4) with gymnasium
+import cv2
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
 
 
 class Game:
-    """One Atari game, preprocessed as DQN, the PPO paper, CleanRL and SB3 do it. Each step:
-
-    - Action repeat (MaxAndSkipEnv): the action is held for 4 emulator frames and their rewards
-      are summed; the repeat stops early if the game ends inside it. The agent acts 4x less often,
-      so it sees further for the same compute, and 4 frames rarely change the right action.
-    - Max-pooling: the picture is the pixel-wise max of the last two frames, because Atari
-      sprites flicker (some are drawn only every other frame).
-    - Grayscale, 84x84 (WarpFrame): the emulator gives grayscale frames (`obs_type="grayscale"`,
-      as gymnasium's AtariPreprocessing and ale-py's vector env read them), shrunk with area
-      interpolation, which averages pixels instead of dropping them.
-    - Frame stack (VecFrameStack): the observation is the last 4 pictures, so that speed and
-      direction can be seen. When a training episode (re)starts, the stack is zeros and the first
-      picture, as in SB3 and ale-py's vector env: no picture of the episode before leaks in.
-    - Life loss ends the training episode (EpisodicLifeEnv): `terminated=True`, so that losing a
-      life is learned as the end of everything, which helps a lot early on. The game goes on.
-    - FIRE to start (FireResetEnv): games like Breakout wait for FIRE after a (re)start; the Game
-      presses it so that an agent does not stall.
-    - Reward clipping (ClipRewardEnv): the training reward is the sign of the score change, so one
-      step size fits games whose points differ by orders of magnitude. `info["episode"]` reports
-      the real score, unclipped, summed over all lives, and the game's length in agent steps.
-    - No-op starts (NoopResetEnv): after a real reset, 1..30 random NOOP frames, so that the games
-      do not all start from the same picture (`noop_max=0`: none, for tests of the exact start).
-
-    Observations are uint8 (the model scales them by 1/255): 4 times less memory than float32.
-    """
+    """One Atari game, preprocessed as DQN, the PPO paper, CleanRL and SB3 do it (SB3's names):
+    - Frame skip (MaxAndSkipEnv): each action is held for 4 emulator frames, their rewards summed
+      (fewer if the game ends), the picture the max of the last two frames (sprites flicker).
+    - 84x84 grey (WarpFrame): grayscale frames, shrunk by area interpolation (averaging pixels).
+    - Frame stack: the observation is the last 4 pictures, so that motion shows; a training episode
+      starts from zeros and its first picture.
+    - Episodic life (EpisodicLifeEnv): a lost life ends the training episode (`terminated`), which
+      helps early on; the game goes on, and `info["episode"]` holds the whole game's real score.
+    - Fire reset (FireResetEnv): games like Breakout wait for FIRE after a (re)start: pressed here.
+    - Reward clipping (ClipRewardEnv): the training reward is the sign of the score change, so that
+      one step size fits games whose points differ by orders of magnitude.
+    - No-op starts (NoopResetEnv): 1..30 random NOOP frames start a game, so that games differ."""
 
     def __init__(self, env_id: str, seed: int, noop_max: int = 30,
                  render_mode: Optional[str] = None):
-        # frameskip=1: the Game does the skipping itself (ALE/*-v5 ids would otherwise skip 4
-        # frames and the max-pool would see the wrong frames). v5's sticky actions (each frame,
-        # the previous action is repeated with probability 0.25) are left as the id asks.
-        options = {"obs_type": "grayscale", "frameskip": 1}
-        if render_mode:
-            options["render_mode"] = render_mode
-        self.env = make_atari(env_id, **options)
-        self.ale = self.env.unwrapped.ale
-        meanings = self.env.unwrapped.get_action_meanings()
+        ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no start-up banner on stderr
+        # frameskip=1: the Game skips frames itself. (v5's sticky actions stay, as the id asks.)
+        self.env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
+        self.ale, meanings = self.env.unwrapped.ale, self.env.unwrapped.get_action_meanings()
         self.needs_fire = len(meanings) >= 3 and meanings[1] == "FIRE"  # FireResetEnv's test
-        self.noop_max = noop_max
-        self.seed = seed
-        self.rng = np.random.default_rng(seed)  # draws the number of no-ops
+        self.noop_max, self.seed, self.rng = noop_max, seed, np.random.default_rng(seed)
         self.stack = np.zeros((FRAME_STACK, FRAME_SIZE, FRAME_SIZE), dtype=np.uint8)
-        self.episode_return, self.episode_length = 0.0, 0
 
     def reset(self) -> np.ndarray:
-        """A real reset, at the start and at game over: new game, no-ops, FIRE."""
-        frame, _ = self.env.reset(seed=self.seed)  # seed only the first reset; later ones go on
-        self.seed = None
-        self.previous_frame = self.frame = frame
-        self.episode_return, self.episode_length = 0.0, 0
+        """A new game: no-op starts (the count drawn by the Game's seeded generator), then FIRE."""
+        self.frames = [self.env.reset(seed=self.seed)[0]] * 2  # the last two, for the max-pool
+        self.seed, self.episode_return, self.episode_length = None, 0.0, 0  # (seeded once)
         for _ in range(self.rng.integers(1, self.noop_max + 1) if self.noop_max else 0):
-            self.episode_return += self.raw_step(0)
+            self.episode_return += self.repeat(0, frames=1)
             if self.game_over:
-                frame, _ = self.env.reset()
-                self.previous_frame = self.frame = frame
-                self.episode_return = 0.0
+                self.frames, self.episode_return = [self.env.reset()[0]] * 2, 0.0
         self.lives = self.ale.lives()
-        if self.needs_fire:
-            self.press_fire()
-        return self.restart_stack()
+        return self.start_episode()
 
-    def raw_step(self, action: int) -> float:
-        """One emulator frame. Keeps the last two frames for the max-pool."""
-        frame, reward, self.game_over, self.truncated, _ = self.env.step(action)
-        self.previous_frame, self.frame = self.frame, frame
-        return reward
-
-    def repeat(self, action: int) -> float:
+    def repeat(self, action: int, frames: int = FRAME_SKIP) -> float:
         """The action for 4 frames, or fewer if the game ends (or hits ALE's frame limit)."""
         reward = 0.0
-        for _ in range(FRAME_SKIP):
-            reward += self.raw_step(action)
+        for _ in range(frames):
+            frame, frame_reward, self.game_over, self.truncated, _ = self.env.step(action)
+            self.frames = [self.frames[1], frame]
+            reward += frame_reward
             if self.game_over or self.truncated:
                 break
         return reward
 
     def picture(self) -> np.ndarray:
         """The max of the last two frames, shrunk to 84x84."""
-        return cv2.resize(np.maximum(self.previous_frame, self.frame), (FRAME_SIZE, FRAME_SIZE),
+        return cv2.resize(np.maximum(*self.frames), (FRAME_SIZE, FRAME_SIZE),
                           interpolation=cv2.INTER_AREA)
 
-    def restart_stack(self) -> np.ndarray:
+    def start_episode(self) -> np.ndarray:
+        """FIRE, then action 2, where the game needs them (as FireResetEnv; their points count in
+        the score); then a fresh stack: zeros and the picture."""
+        for action in (1, 2) if self.needs_fire else ():
+            self.episode_return += self.repeat(action)
         self.stack[:-1] = 0
         self.stack[-1] = self.picture()
         return self.stack.copy()
-
-    def press_fire(self):
-        """FIRE, then action 2, as FireResetEnv does (some games start only after both); the points
-        they score count in the game's score."""
-        for action in (1, 2):
-            self.episode_return += self.repeat(action)
 
     def step(self, action: int):
         reward = self.repeat(int(action))
@@ -219,198 +196,101 @@ class Game:
         self.episode_length += 1
         self.stack[:-1] = self.stack[1:]  # shift out the oldest picture...
         self.stack[-1] = self.picture()  # ...and put the newest last
-        lives = self.ale.lives()
-        life_lost = 0 < lives < self.lives  # the last life's loss is game over
-        self.lives = lives
+        life_lost, self.lives = 0 < self.ale.lives() < self.lives, self.ale.lives()  # 0: game over
         # Read the flags now: the restarts below step the emulator again and overwrite them.
         game_over, truncated = self.game_over, self.truncated
         terminated = game_over or life_lost
-        info = {}
-        if terminated or truncated:
-            info["final_obs"] = self.stack.copy()
+        info = {"final_obs": self.stack.copy()} if terminated or truncated else {}
         if game_over or truncated:
             info["episode"] = {"return": self.episode_return, "length": self.episode_length}
             obs = self.reset()
-        elif life_lost:
-            # As EpisodicLifeEnv + FireResetEnv: one NOOP step, then FIRE where the game needs it,
-            # and the next training episode starts from a fresh stack: zeros and the picture.
+        elif life_lost:  # as EpisodicLifeEnv + FireResetEnv: one NOOP step, then a new episode
             self.episode_return += self.repeat(0)
-            if self.needs_fire:
-                self.press_fire()
-            obs = self.restart_stack()
+            obs = self.start_episode()
         else:
             obs = self.stack.copy()
         return obs, float(np.sign(reward)), terminated, truncated, info
-
-    def render(self) -> np.ndarray:
-        return self.env.render()
 
     def close(self):
         self.env.close()
 
 
-def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-    """Step each Game with its action, write the observations into `obs_out` (a row per game), and
-    return the rest: rewards, flags, and by game index the final observations of the episodes that
-    ended and the statistics of the games that ended."""
-    rewards = np.empty(len(games), dtype=np.float32)
-    terminated = np.empty(len(games), dtype=bool)
-    truncated = np.empty(len(games), dtype=bool)
-    final_obs, episodes = {}, {}
-    for i, (game, action) in enumerate(zip(games, actions)):
-        obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(action)
-        if "final_obs" in info:
-            final_obs[i] = info["final_obs"]
-        if "episode" in info:
-            episodes[i] = info["episode"]
-    return rewards, terminated, truncated, final_obs, episodes
-
-
 class Worker:
-    """Runs a few Games, either in a child process or, with `in_process=True`, right here.
+    """Runs several Games in a forked child process (games play on several cores). Actions go down a
+    pipe; rewards, flags and ended episodes come back. Observations, the one large array, skip the
+    pipe: shared memory (`obs_view`), read without a copy. (`GuardedWorker`: the same, guarded.)"""
 
-    The trainer sends the actions through a `multiprocessing` pipe; the child steps its Games
-    and answers with rewards, flags and finished-episode statistics. Observations, the one large
-    array, skip the pipe: the child writes them into shared memory (`obs_view`, a numpy view over a
-    `multiprocessing.shared_memory` block that the trainer reads as a tensor without a copy).
-
-    Children are forked: they inherit the shared memory and start in milliseconds, instead of
-    importing torch again. A child ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-    group; the trainer decides how to stop) and exits by itself when the trainer's end of its pipe
-    closes, so a trainer that dies, however, never leaves a worker behind.
-    """
-
-    def __init__(self, index: int, env_id: str, seeds: list, obs_view: np.ndarray, in_process: bool,
-                 inherited_trainer_ends: list):
-        self.index = index
-        self.env_id = env_id
-        self.obs_view = obs_view
-        self.in_process = in_process
-        if in_process:
-            self.games = [Game(env_id, seed) for seed in seeds]
-            for i, game in enumerate(self.games):
-                obs_view[i] = game.reset()
-            return
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
+        self.index, self.env_id, self.obs_view = index, env_id, obs_view
         self.trainer_end, child_end = multiprocessing.Pipe()
-        context = multiprocessing.get_context("fork")
-        self.process = context.Process(
-            target=Worker.child_main,
-            args=(child_end, [self.trainer_end, *inherited_trainer_ends], env_id, seeds, obs_view),
+        self.process = multiprocessing.get_context("fork").Process(
+            target=self.child_loop, args=(child_end, env_id, seed, obs_view),
             name=f"{SCRIPT}-worker-{index}", daemon=True)
         self.process.start()
         child_end.close()
         self.receive()  # the child's first answer comes once its Games are reset
 
     @staticmethod
-    def child_main(conn, trainer_ends, env_id, seeds, obs_view):
-        """The loop of the child process: step the Games on each command until told to stop."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # A forked child holds copies of every pipe end the trainer had. Closing the trainer's ends
-        # makes a recv() here fail with EOFError as soon as the trainer is gone.
-        for end in trainer_ends:
-            end.close()
-        try:
-            games = [Game(env_id, seed) for seed in seeds]
-            for i, game in enumerate(games):
-                obs_view[i] = game.reset()
-            conn.send(("ok", None))
-            while True:
-                command, actions = conn.recv()
-                if command == "close":
-                    break
-                conn.send(("ok", step_games(games, actions, obs_view)))
-        except (EOFError, BrokenPipeError, KeyboardInterrupt):
-            pass  # the trainer is gone or stopping: just exit
-        except Exception as error:
-            try:
-                conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
-        finally:
-            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
+        """Step each Game, observations into `obs_out`. Returns rewards and end flags as arrays, and
+        by game index the ended episodes' final observations and the ended games' statistics."""
+        rewards = np.empty(len(games), dtype=np.float32)
+        terminated, truncated = np.empty(len(games), dtype=bool), np.empty(len(games), dtype=bool)
+        final_obs, episodes = {}, {}
+        for i, (game, action) in enumerate(zip(games, actions)):
+            obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(action)
+            if "final_obs" in info:
+                final_obs[i] = info["final_obs"]
+            if "episode" in info:
+                episodes[i] = info["episode"]
+        return rewards, terminated, truncated, final_obs, episodes
+
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+        """The child: its Games (game i gets seed + i), then each step asked, until "close"."""
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+        obs_view[:] = [game.reset() for game in games]
+        conn.send(("ok", None))
+        while (command := conn.recv())[0] == "step":
+            conn.send(("ok", self.step_games(games, command[1], obs_view)))
 
     def send_step(self, actions: np.ndarray):
-        if self.in_process:
-            self.actions = actions
-            return
-        try:
-            self.trainer_end.send(("step", actions))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
+        self.trainer_end.send(("step", actions))
 
-    def receive(self, timeout: float = 120.0) -> tuple:
-        """The result of the last `send_step`. Waits on the pipe and on the process at once, so a
-        child that dies is noticed at once instead of blocking `recv()` forever."""
-        if self.in_process:
-            return step_games(self.games, self.actions, self.obs_view)
-        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
-        if self.trainer_end in ready:
-            try:
-                status, payload = self.trainer_end.recv()
-            except (EOFError, OSError):
-                status, payload = "dead", None
-            if status == "ok":
-                return payload
-            if status == "error":
-                raise WorkerError(f"worker {self.index} ({self.env_id}) failed: {payload}")
-        name = f"worker {self.index} ({self.env_id})"
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
-        self.process.join(timeout=1.0)
-        code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
-        raise WorkerError(f"{name} died ({how})")
+    def receive(self) -> tuple:
+        return self.trainer_end.recv()[1]  # (the observations are in `obs_view` by then)
 
     def close(self):
-        if self.in_process:
-            for game in self.games:
-                game.close()
-            return
-        try:
-            self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
-        self.trainer_end.close()
-        self.process.join(timeout=2.0)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self.trainer_end.send(("close", None))
+        self.process.join()
 
 
-def orthogonal(layer: nn.Module, gain: float = math.sqrt(2)) -> nn.Module:
-    """Orthogonal weights of the given gain and zero biases (37 details, #2: the body gets sqrt(2),
-    the policy output 0.01 so that all actions start equally likely, the value output 1)."""
-    nn.init.orthogonal_(layer.weight, gain)
-    nn.init.zeros_(layer.bias)
-    return layer
+def layer(in_size: int, out_size: int, gain: float = math.sqrt(2), kernel_size: int = 0,
+          stride: int = 1) -> nn.Module:
+    """A linear layer (a convolution, given a kernel size) with orthogonal weights of the given gain
+    and zero biases (37 details, #2: sqrt(2) in the body; 0.01 for the policy, so that all actions
+    start equally likely; 1 for the value)."""
+    module = (nn.Conv2d(in_size, out_size, kernel_size, stride) if kernel_size
+              else nn.Linear(in_size, out_size))
+    nn.init.orthogonal_(module.weight, gain)
+    nn.init.zeros_(module.bias)
+    return module
 
 
 class Model(nn.Module):
-    """The Nature CNN (Mnih et al., 2015) with two heads on one shared body: a policy over the
-    game's actions and a value. Sharing the body is what the PPO paper did on Atari: both heads need
-    the same picture understood, and one CNN costs half of two.
-
-    Input: uint8 [batch, 4, 84, 84], scaled to [0, 1] here, so that nothing upstream ever holds
-    float copies of the observations.
-
-    `bfloat16=True` (`--precision bfloat16`) runs the body's layers in bfloat16 under autocast: the
-    weights, the gradients and Adam stay float32, and the heads read the body's output in float32,
-    so the action probabilities and values keep their precision. It changes the numbers (about 3
-    significant digits inside the body), not the algorithm.
-    """
+    """The Nature CNN (Mnih et al., 2015), one body with two heads as in the PPO paper: a policy and
+    a value. Input: uint8 [batch, 4, 84, 84] (4 times smaller than float32), scaled to [0, 1] here.
+    `bfloat16=True` runs the body in bfloat16 (3 digits); weights, gradients, heads stay float32."""
 
     def __init__(self, num_actions: int, bfloat16: bool = False):
         super().__init__()
         self.bfloat16 = bfloat16
         self.body = nn.Sequential(
-            orthogonal(nn.Conv2d(FRAME_STACK, 32, kernel_size=8, stride=4)), nn.ReLU(),  # 32x20x20
-            orthogonal(nn.Conv2d(32, 64, kernel_size=4, stride=2)), nn.ReLU(),  # -> 64 x 9 x 9
-            orthogonal(nn.Conv2d(64, 64, kernel_size=3, stride=1)), nn.ReLU(),  # -> 64 x 7 x 7
-            nn.Flatten(),
-            orthogonal(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
-        self.policy = orthogonal(nn.Linear(512, num_actions), gain=0.01)
-        self.critic = orthogonal(nn.Linear(512, 1), gain=1.0)
+            layer(FRAME_STACK, 32, kernel_size=8, stride=4), nn.ReLU(),  # -> 32 x 20 x 20
+            layer(32, 64, kernel_size=4, stride=2), nn.ReLU(),  # -> 64 x 9 x 9
+            layer(64, 64, kernel_size=3), nn.ReLU(),  # -> 64 x 7 x 7
+            nn.Flatten(), layer(64 * 7 * 7, 512), nn.ReLU())
+        self.policy = layer(512, num_actions, gain=0.01)
+        self.critic = layer(512, 1, gain=1.0)
 
     def forward(self, obs: torch.Tensor):
         """Logits of the actions [batch, actions] and values [batch]."""
@@ -422,19 +302,14 @@ class Model(nn.Module):
         return self(obs)[1]
 
     def act(self, obs: torch.Tensor, greedy: bool = False):
-        """Choose actions for a batch of observations: (actions [batch], their log-probabilities,
-        the values of the observations)."""
+        """Actions for a batch of observations, their log-probabilities and the values, [batch]."""
         logits, value = self(obs)
         log_probs = torch.log_softmax(logits, dim=-1)
-        if greedy:
-            actions = log_probs.argmax(-1)
-        else:
-            actions = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+        actions = log_probs.argmax(-1) if greedy else torch.multinomial(log_probs.exp(), 1)[:, 0]
         return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
 
     def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor):
-        """For the loss: log-probabilities of the taken actions under the current policy, the
-        entropy of the policy, and the values, all [batch]."""
+        """For the loss: the actions' log-probabilities now, the policy's entropy, the values."""
         logits, value = self(obs)
         log_probs = torch.log_softmax(logits, dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
@@ -446,16 +321,26 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
 
     rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
-    the last step. `dones[t] = 1` when the episode ended at step t, after action t, by termination
-    or truncation; for a truncated episode the trainer has already added gamma * V(final
-    observation) to rewards[t], so cutting the sum there is right in both cases. Returns the
-    advantages [T, N]; the value targets are advantages + values.
+    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
 
-    Readers who know CleanRL: its `dones[t]` means "obs[t] starts a new episode", one step later
-    than here; the two give the same advantages.
+    The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
+    expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
 
-        $\\delta_t = r_t + \\gamma V(s_{t+1}) (1 - d_t) - V(s_t)$
-        $\\hat{A}_t = \\delta_t + \\gamma \\lambda (1 - d_t) \\hat{A}_{t+1}$
+        A_t^(k) = sum_(l<k) gamma^l delta_(t+l)
+                = sum_(l<k) gamma^l r_(t+l) + gamma^k V(s_(t+k)) - V(s_t)
+
+    trade bias for variance: few steps lean on V (biased wherever V is wrong), many on the sampled
+    rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
+    (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
+
+        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
+                  = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
+
+    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
+    (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
+    the sum there; for a truncation the trainer has already added gamma * V(final observation) to
+    rewards[t] (the episode would have gone on). Readers who know CleanRL: its `dones[t]` means
+    "obs[t] starts a new episode", one step later than here; the advantages are the same.
     """
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(last_value)
@@ -480,50 +365,102 @@ class Minibatch(typing.NamedTuple):
     old_values: torch.Tensor  # the values then
 
 
-class Trainer:
-    """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
-    bonus, and a gradient step with the global gradient norm clipped."""
+class Rollout:
+    """The rollout buffer, on the training device. A game's consecutive stacks share 3 of their 4
+    pictures: it stores each picture once (7,056 bytes a step, not 28,224), and rebuilds stacks.
+    `restarts[t]` marks the games whose stack restarted after step t: with the Game at each end of a
+    training episode, with the default engine only at the end of a game (not at a lost life)."""
 
-    def __init__(self, model: Model, config: Config, ranks: Optional["Ranks"] = None):
-        self.model, self.config, self.ranks = model, config, ranks
-        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3), as the PPO paper's code. fused=True
-        # does the same arithmetic in one kernel (benchmarks/README.md).
+    def __init__(self, config: Config, device: torch.device):
+        self.num_envs, self.device = config.num_envs, device
+        shape = (config.num_steps, config.num_envs)
+        self.pictures = torch.zeros((config.num_steps + FRAME_STACK, config.num_envs, FRAME_SIZE,
+                                     FRAME_SIZE), dtype=torch.uint8, device=device)
+        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+        self.log_probs, self.values = (torch.zeros(shape, device=device) for _ in range(2))
+        # What the games return stays on the host (page-locked on a GPU) until the update.
+        pinned = device.type == "cuda"
+        self.rewards, self.dones = (torch.zeros(shape, pin_memory=pinned) for _ in range(2))
+        self.restarts = torch.zeros(shape, dtype=torch.bool, pin_memory=pinned)
+
+    def store_obs(self, step: int, obs: torch.Tensor):
+        """Keep the newest picture of each game's observation (and, at step 0, the older three)."""
+        if step == 0:
+            self.pictures[:FRAME_STACK - 1] = obs[:, :-1].transpose(0, 1)
+        self.pictures[FRAME_STACK - 1 + step] = obs[:, -1]
+
+    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
+        """The rows of flat indices (step * num_envs + env), with their stacks rebuilt."""
+        return Minibatch(self.stacks(indices), self.actions.flatten()[indices],
+                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
+                         returns.flatten()[indices], self.values.flatten()[indices])
+
+    def stacks(self, indices: torch.Tensor) -> torch.Tensor:
+        """The observations [batch, 4, 84, 84] of flat indices, exactly as the games built them."""
+        restarts = self.restarts.to(self.device, non_blocking=True).long()
+        counts = torch.cat([restarts[:1] * 0, restarts.cumsum(0)])  # restarts before each step
+        steps, envs = indices // self.num_envs, indices % self.num_envs
+        # Picture k of step t's stack is the newest of step t - 3 + k, in row t + k (rows 0-2: the
+        # first stack's older ones), unless the stack restarted since: then the zeros (last row).
+        rows = steps[:, None] + torch.arange(FRAME_STACK, device=self.device)
+        since = counts[(rows - (FRAME_STACK - 1)).clamp(min=0), envs[:, None]]
+        rows = torch.where(since == counts[steps, envs][:, None], rows, len(self.pictures) - 1)
+        pictures = self.pictures.view(-1, FRAME_SIZE, FRAME_SIZE)  # one gather of whole pictures
+        flat_rows = (rows * self.num_envs + envs[:, None]).flatten()
+        return pictures.index_select(0, flat_rows).view(-1, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
+
+
+class Trainer:
+    """A PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, clipped gradient."""
+
+    def __init__(self, model: Model, config: Config):
+        self.model, self.config = model, config
+        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3); fused: the same in one kernel.
         self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5,
                                           fused=True)
+        self.average_gradients = lambda parameters: None  # (the guard sets it under torchrun)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss and its diagnostics, from a minibatch and what the current weights make of
-        it (all [batch])."""
+        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
+        it (all [batch]): the negated objective, to be minimised.
+
+        Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
+        gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
+        rho_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. At
+        theta = theta_old its gradient is the plain policy gradient; further away it lets one
+        rollout serve several epochs, but the estimate worsens as the policies part (other states
+        would be visited; rho_t's variance grows). Why clip: TRPO bounds the move with a KL
+        constraint; PPO (paper, eq. 7) stops rewarding it beyond [1 - eps, 1 + eps]:
+
+            L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
+
+        Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
+        rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
+        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
+        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
+        smaller one, and its gradient pulls back.
+        """
         # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
-        # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
         advantages = minibatch.advantages
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-
-        # The clipped surrogate (PPO paper, eq. 7): the probability ratio r = pi_new / pi_old may
-        # move the objective only within [1 - clip, 1 + clip]; the max of the two negated terms is
-        # the pessimistic (min) bound of the paper. 37 details, #8.
+        # -L_clip (37 details, #8): the max of the negated terms is minus their min.
         log_ratio = new_log_probs - minibatch.old_log_probs
-        ratio = log_ratio.exp()
+        ratio = log_ratio.exp()  # rho_t
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-
-        # Value loss (37 details, #9): squared error to the GAE returns, clipped like the policy
-        # around the values of the rollout, as in the PPO paper's Atari runs (on by default here).
+        # Value loss (37 details, #9), clipped like the policy around the rollout's values.
         returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
+        value_loss = (new_values - returns) ** 2
         if config.clip_value_loss:
             clipped = old_values + (new_values - old_values).clamp(-clip, clip)
-            value_loss = 0.5 * torch.max((new_values - returns) ** 2,
-                                         (clipped - returns) ** 2).mean()
-        else:
-            value_loss = 0.5 * ((new_values - returns) ** 2).mean()
-
+            value_loss = torch.max(value_loss, (clipped - returns) ** 2)
+        value_loss = 0.5 * value_loss.mean()
         # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator (r - 1) - log r
-        # (Schulman, "Approximating KL divergence", 2020) and the share of samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL as (rho_t - 1) - log rho_t, low in variance
+        # (Schulman, "Approximating KL divergence", 2020); the share of samples the clip touched.
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
             clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
@@ -542,69 +479,71 @@ class Trainer:
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.ranks is not None:  # (after the backward, outside the compiled loss)
-            self.ranks.average_gradients(self.model.parameters())
-        # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
-        # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
+        # hook: under torchrun, the mean gradient over the ranks (a no-op alone)
+        self.average_gradients(self.model.parameters())
+        # Global gradient clipping (37 details, #11): a rare huge step cannot undo the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
         self.optimizer.step()
         return stats
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """How much of the returns' variance the values predict: 1 all, 0 none (or none to explain)."""
+    returns_variance = returns.var().item()
+    unexplained = (returns - values).var().item()
+    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
+
+
 class Main:
-    """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
-    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps in each of
-    num_envs games with the current policy, estimate each step's advantage with GAE, then take
-    update_epochs passes over the rollout in shuffled minibatches, one clipped gradient step each.
-    The `RunGuard` (below the banner) sets up, logs, saves and stops, so `train` reads as PPO."""
+    """The loop: `Main(config).run()` trains (--eval: plays a checkpoint), returns the summary. An
+    iteration (37 details, #6): play num_steps steps of num_envs games, estimate advantages with
+    GAE, learn for update_epochs passes. `RunGuard` (below the banner) sets up, logs and saves."""
 
     def __init__(self, config: Config):
-        self.config = config
-        self.guard = None
+        self.config, self.guard = config, None
+        self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
 
     def run(self) -> dict:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
 
     def train(self) -> dict:
-        self.guard = guard = RunGuard(self)  # settings, torchrun, seeds, Ctrl-C, failures, saving
-        with guard:
+        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+        with self.guard as guard:
             config = self.config  # (the checkpoint's settings, when resuming)
             self.model = Model(guard.num_actions, bfloat16=config.precision == "bfloat16")
-            # Channels-last weights let the CPU's convolutions skip a layout change per layer.
-            self.model.to(guard.device, memory_format=torch.channels_last)
-            self.trainer = Trainer(self.model, config, guard.ranks)
-            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
-            self.games = guard.start_games()  # Workers or ale-py's C++ engine (VectorGames)
-            self.rollout = Rollout(config, guard.device)  # stores each picture once
+            self.model.to(guard.device, memory_format=torch.channels_last)  # faster convolutions
+            self.trainer = Trainer(self.model, config)
+            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
+            # The games: Workers of Games with --env-backend game; by default ale-py's C++ vector
+            # env, which plays the same games faster (tests/test_atari_game.py holds them equal).
+            self.games = guard.start_games()
+            self.rollout = Rollout(config, guard.device)
             next_obs = self.games.observations()
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
                 if guard.solved_step is not None:
-                    break  # the target was reached in this rollout: the policy is good enough
+                    break  # --target-return reached in this rollout
                 advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
                 guard.after_update(stats)  # NaN guard, logging, checkpoint when due
         return guard.summary
 
     def anneal_learning_rate(self):
-        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts, so that a resumed run continues it."""
-        config = self.config
-        if config.anneal_lr:
-            progress = self.global_step / config.total_timesteps
-            learning_rate = config.learning_rate * max(0.0, 1.0 - progress)
-            self.trainer.optimizer.param_groups[0]["lr"] = learning_rate
+        """Linear annealing to 0 (37 details, #4), from `anneal_from` (which a resume may move)."""
+        if self.config.anneal_lr:
+            start_step, start_rate = self.anneal_from
+            progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
+            self.trainer.optimizer.param_groups[0]["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps in every game with the current policy, filling the rollout buffer.
-        Returns the observation after the last step."""
+        """num_steps steps of every game with the current policy; returns the next observation."""
         config, rollout, device = self.config, self.rollout, self.guard.device
         ended = []  # (global step, statistics) of the games that end
         for step in range(config.num_steps):
-            if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
+            if self.guard.stop_at_once():  # Ctrl-C
                 break
             rollout.store_obs(step, next_obs)
             actions, log_probs, values = self.model.act(next_obs)
@@ -613,71 +552,166 @@ class Main:
             result = self.games.step(actions.cpu().numpy())
             next_obs = self.games.observations()
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
-            # last reward gets the value of where it stood, gamma * V(final observation), added.
-            # Then the done flag below can cut GAE's sum for both kinds of endings (compute_gae).
+            # last reward gets gamma * V(final observation); `dones` then cuts GAE's sum for both.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
-                cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
-                cut_values = self.model.value(cut_obs.to(device)).cpu().numpy()
-                result.rewards[cut] += config.gamma * cut_values
-            # (Rewards and flags stay on the host during the rollout: one copy per update.)
+                cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut])).to(device)
+                result.rewards[cut] += config.gamma * self.model.value(cut_obs).cpu().numpy()
             rollout.rewards[step] = torch.from_numpy(result.rewards)
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated)
             rollout.restarts[step] = torch.from_numpy(result.restarted)  # see Rollout
-            self.global_step += config.num_envs * self.guard.ranks.world_size
+            self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
         self.guard.after_rollout(ended)  # record the games; stop here on Ctrl-C
         return next_obs
 
+    @torch.no_grad()
     def estimate_advantages(self, next_obs: torch.Tensor):
         """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
-        with torch.no_grad():
-            last_value = self.model.value(next_obs)
+        last_value = self.model.value(next_obs)
         rollout, device = self.rollout, self.guard.device
-        # (non_blocking: the host buffers are not written again before their results are read)
         rewards, dones = (t.to(device, non_blocking=True) for t in (rollout.rewards, rollout.dones))
         advantages = compute_gae(rewards, rollout.values, dones, last_value, self.config.gamma,
                                  self.config.gae_lambda)
         return advantages, advantages + rollout.values
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-        """update_epochs passes over the rollout in shuffled minibatches, one gradient step each.
-        Returns the mean diagnostics as floats (the only host sync of the update)."""
-        config, ranks = self.config, self.guard.ranks
+        """update_epochs passes over the rollout in shuffled minibatches, one gradient step each;
+        returns the mean diagnostics as floats (the update's only host sync)."""
+        config = self.config
         batch_size = config.num_envs * config.num_steps
         minibatch_size = batch_size // config.num_minibatches
         totals, count = {}, 0
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
             for start in range(0, batch_size, minibatch_size):
-                indices = order[start:start + minibatch_size]
-                stats = self.trainer.gradient_step(self.rollout.minibatch(indices, advantages,
-                                                                          returns))
+                minibatch = self.rollout.minibatch(order[start:start + minibatch_size],
+                                                   advantages, returns)
+                stats = self.trainer.gradient_step(minibatch)
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach()
                 count += 1
-            # Early stop (37 details, #12, optional): once the policy has moved too far from the one
-            # that collected the data, further epochs would only push it beyond the trust region.
-            # (Under torchrun, by the ranks' mean KL, so that all stop after the same epoch.)
-            kl = stats["approx_kl"].item() if config.target_kl is not None else None
-            if kl is not None and ranks.mean([kl])[0] > config.target_kl:
+            # Early stop (37 details, #12, optional): the policy moved too far from the player.
+            if (config.target_kl is not None
+                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
                 break
         stats = {key: (value / count).item() for key, value in totals.items()}
         stats["explained_variance"] = explained_variance(self.rollout.values, returns)
-        # Under torchrun, the means over the ranks: rank 0 logs those of the global batch, and all
-        # ranks see the same values when the guard checks them for NaN.
-        return dict(zip(stats, ranks.mean(list(stats.values()))))
+        return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# engines the games run on, the rollout buffer that stores each picture once, compilation; `Ranks`;
+# engines the games run on (guarded Workers, ale-py's C++ vector env), compilation; `Ranks`;
 # `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the
 # checks of the user's input; the command line.
 
+import copy
+import datetime
+import hashlib
+import json
+import logging
+import multiprocessing.connection
+import os
+import random
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing import shared_memory
+from pathlib import Path
 
-# ----- The games' engines -------------------------------------------------------------------------
+import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
+
+
+# ----- Engines: the games, fast and guarded -------------------------------------------------------
+
+
+class GuardedWorker(Worker):
+    """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
+    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
+    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
+    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
+    reported at once (WorkerError) instead of blocking `recv()` forever."""
+
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
+                 inherited_trainer_ends: list):
+        self.inherited_trainer_ends = inherited_trainer_ends
+        super().__init__(index, env_id, seed, obs_view)
+
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for end in [self.trainer_end, *self.inherited_trainer_ends]:
+            end.close()
+        try:
+            super().child_loop(conn, env_id, seed, obs_view)
+        except (EOFError, BrokenPipeError, KeyboardInterrupt):
+            pass  # the trainer is gone or stopping: just exit
+        except Exception as error:
+            try:
+                conn.send(("error", f"{type(error).__name__}: {error}"))
+            except (BrokenPipeError, OSError):
+                pass
+        finally:
+            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+
+    def send_step(self, actions: np.ndarray):
+        try:
+            super().send_step(actions)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child is gone: receive() finds out how, and says so
+
+    def receive(self, timeout: float = 120.0) -> tuple:
+        name = f"worker {self.index} ({self.env_id})"
+        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if self.trainer_end in ready:
+            try:
+                status, payload = self.trainer_end.recv()
+            except (EOFError, OSError):
+                status, payload = "dead", None
+            if status == "ok":
+                return payload
+            if status == "error":
+                raise WorkerError(f"{name} failed: {payload}")
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        signal_name = signal.Signals(-code).name if code and code < 0 else None
+        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        raise WorkerError(f"{name} died ({how})")
+
+    def close(self):
+        try:
+            self.trainer_end.send(("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self.trainer_end.close()
+        self.process.join(timeout=2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+class InProcessWorker(Worker):
+    """--num-workers 0: the Games of a Worker, played in this process (no child, no pipe)."""
+
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
+                 inherited_trainer_ends: list):
+        self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
+        self.games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+        obs_view[:] = [game.reset() for game in self.games]
+
+    def send_step(self, actions: np.ndarray):
+        self.actions = actions
+
+    def receive(self) -> tuple:
+        return self.step_games(self.games, self.actions, self.obs_view)
+
+    def close(self):
+        for game in self.games:
+            game.close()
 
 
 class StepResult(typing.NamedTuple):
@@ -712,10 +746,10 @@ class Engine:
 
 
 class WorkerPool(Engine):
-    """All the games as Games (`--env-backend game`): num_workers Workers with num_envs /
-    num_workers Games each (or all of them in this process with --num-workers 0). Their
-    observations land in one array (shared memory when there are child processes) that the trainer
-    reads as a tensor without copying. Game i is seeded with seeds[i]."""
+    """All the games as Games (`--env-backend game`): num_workers Workers of num_envs / num_workers
+    Games each (one in this process with --num-workers 0). Their observations land in one array
+    (shared memory with child processes), read as a tensor without a copy. Game i is seeded with
+    seeds[i] (consecutive numbers: a worker's first seed + i)."""
 
     def __init__(self, config: Config, seeds: list, device: torch.device):
         self.workers, self.shared_obs = [], None
@@ -726,14 +760,14 @@ class WorkerPool(Engine):
             self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)))
             obs_array = np.ndarray(shape, dtype=np.uint8, buffer=self.shared_obs.buf)
         super().__init__(obs_array, device)
+        worker_class = GuardedWorker if config.num_workers else InProcessWorker
         games_per_worker = config.num_envs // max(config.num_workers, 1)
         try:
             for index in range(max(config.num_workers, 1)):
                 first = index * games_per_worker
-                worker = Worker(index, config.env, seeds[first:first + games_per_worker],
-                                obs_array[first:first + games_per_worker],
-                                in_process=config.num_workers == 0,
-                                inherited_trainer_ends=[w.trainer_end for w in self.workers])
+                worker = worker_class(index, config.env, seeds[first],
+                                      obs_array[first:first + games_per_worker],
+                                      [w.trainer_end for w in self.workers if w.trainer_end])
                 worker.first = first
                 self.workers.append(worker)
         except BaseException:
@@ -867,84 +901,17 @@ class VectorGames(Engine):
         self.env.close()
 
 
-# ----- The rollout buffer, with each picture stored once, and compilation -------------------------
+# ----- Adam and compilation -----------------------------------------------------------------------
 
 
-class Rollout:
-    """The rollout buffer: one row per step and env, on the training device.
-
-    Consecutive observations of a game share 3 of their 4 pictures, so the buffer stores each 84x84
-    picture once (the newest of each observation: 7,056 bytes per step instead of 28,224 for the
-    stacks) and rebuilds the stacks of a minibatch by indexing (`stacks`). `pictures` has
-    num_steps + 4 rows per game: rows 0-2 hold the 3 older pictures of the rollout's first stack
-    (they come from the rollout before), row 3 + t the newest picture of step t, and the last row
-    stays zeros, the picture before the start of an episode. `restarts[t]` marks the games whose
-    stack restarted after step t (with the Game, at every done; see VectorGames for the other).
-    """
-
-    def __init__(self, config: Config, device: torch.device):
-        self.num_envs, self.device = config.num_envs, device
-        shape = (config.num_steps, config.num_envs)
-        self.pictures = torch.zeros((config.num_steps + FRAME_STACK, config.num_envs, FRAME_SIZE,
-                                     FRAME_SIZE), dtype=torch.uint8, device=device)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        # What the games return stays on the host during the rollout (page-locked on a GPU) and
-        # moves to the device once per update: one copy each, instead of three small ones per step.
-        pinned = device.type == "cuda"
-        self.rewards = torch.zeros(shape, pin_memory=pinned)
-        self.dones = torch.zeros(shape, pin_memory=pinned)
-        self.restarts = torch.zeros(shape, dtype=torch.bool, pin_memory=pinned)
-        self.episode_starts = None  # found from `restarts` once the rollout is complete
-
-    def store_obs(self, step: int, obs: torch.Tensor):
-        """Keep the newest picture of each game's observation (and, at step 0, the older three)."""
-        if step == 0:
-            self.pictures[:FRAME_STACK - 1] = obs[:, :-1].transpose(0, 1)
-            self.episode_starts = None
-        self.pictures[FRAME_STACK - 1 + step] = obs[:, -1]
-
-    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
-        """The rows of flat indices (step * num_envs + env), with their stacks rebuilt."""
-        return Minibatch(self.stacks(indices), self.actions.flatten()[indices],
-                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
-                         returns.flatten()[indices], self.values.flatten()[indices])
-
-    def find_episode_starts(self):
-        """For each step and env, the step at which its stack last restarted within this rollout
-        (-4 when it restarted before: the rollout's first stack already holds what it needs). A
-        stack never reaches back past its restart: a restarted stack is zeros and the picture."""
-        restarts = self.restarts.to(self.device, non_blocking=True)
-        step_index = torch.arange(len(restarts), device=self.device)[:, None].expand_as(restarts)
-        started = torch.zeros_like(restarts)
-        started[1:] = restarts[:-1]  # a stack that restarted after step t-1 starts at step t
-        self.episode_starts = torch.where(started, step_index, -FRAME_STACK).cummax(dim=0).values
-
-    def stacks(self, indices: torch.Tensor) -> torch.Tensor:
-        """The observations [batch, 4, 84, 84] of flat rollout indices (step * num_envs + env),
-        rebuilt from the stored pictures exactly as the games built them."""
-        if self.episode_starts is None:
-            self.find_episode_starts()
-        steps, envs = indices // self.num_envs, indices % self.num_envs
-        # Picture k of the stack at step t is the newest picture of step t - 3 + k, in row t + k of
-        # `pictures`; a picture from before the stack's restart is the zero picture (last row).
-        sources = steps[:, None] - (FRAME_STACK - 1) + torch.arange(FRAME_STACK, device=self.device)
-        rows = torch.where(sources >= self.episode_starts[steps, envs][:, None],
-                           sources + FRAME_STACK - 1, len(self.pictures) - 1)
-        # One gather of whole 84x84 pictures from the buffer seen as a list of pictures.
-        pictures = self.pictures.view(-1, FRAME_SIZE, FRAME_SIZE)
-        flat_rows = (rows * self.num_envs + envs[:, None]).flatten()
-        return pictures.index_select(0, flat_rows).view(len(indices), FRAME_STACK, FRAME_SIZE,
-                                                        FRAME_SIZE)
-
-
-def compile_learner(model: Model, trainer: Trainer, config: Config, device: torch.device):
+def compile_learner(main: Main):
     """torch.compile fuses the network's operations into fewer, faster kernels, for the rollout's
     inference and for the loss (its backward is compiled with it). Compiling the bound methods, not
     the module, keeps the checkpoint's parameter names as they are. Both are compiled here, on
     inputs of the sizes they will see, so that a machine that cannot compile falls back to eager at
-    once, with a one-line warning."""
+    once, with a one-line warning. (The Adam is torch's: compiling imports what it needs anyway.)"""
+    model, trainer, config, device = main.model, main.trainer, main.config, main.guard.device
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     eager_forward, eager_loss = model.forward, trainer.compute_loss
     minibatch_size = config.num_envs * config.num_steps // config.num_minibatches
     picture = (FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
@@ -972,37 +939,32 @@ def compile_learner(model: Model, trainer: Trainer, config: Config, device: torc
               f"{str(error).splitlines()[0]}); running eagerly", file=sys.stderr)
 
 
+def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
+    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
+    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
+    reads as if something were wrong. A filter on that logger drops this one message."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
 
 class RankError(RuntimeError):
-    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ at
-    the end."""
+    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ."""
 
 
 class Ranks:
-    """The processes ("ranks") of one run started by torchrun, and the few things they do together.
+    """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
-    `torchrun --nproc_per_node N ppo_atari.py ...` (or any torch.distributed launcher, over
-    several machines too) starts N copies of this script and tells each its rank and the world size
-    in the environment (RANK, WORLD_SIZE, LOCAL_RANK). This is data parallelism, as in CleanRL's
-    multi-GPU PPO (ppo_atari_multigpu.py): each rank plays its own --num-envs games (game i of rank
-    r gets seed + r * num_envs + i, either engine), collects its own rollout and splits it into its
-    own --num-minibatches; but before each gradient step the ranks average their gradients, so all
-    take the same step and hold the same weights.
-    - The global batch of an update is world_size x num_envs x num_steps steps. --total-timesteps,
-      the learning-rate schedule and --checkpoint-every count the steps of all ranks.
-    - A gradient step sees world_size x (num_envs x num_steps / num_minibatches) samples, and an
-      update still takes update_epochs x num_minibatches steps.
-    - To keep the hyperparameters of a 1-GPU run equivalent on N GPUs, divide --num-envs by N: the
-      same global batch, minibatches and steps, in 1/N of the time. Keeping --num-envs makes the
-      batch and the minibatches N times larger, and the run N times fewer updates.
-    Every decision to stop (Ctrl-C, --target-return, --target-kl, a non-finite loss) is taken from
-    values all ranks share, so no rank waits in a collective the others skipped. Only rank 0 writes
-    files.
-
-    Without torchrun it is a world of one: no process group, and every method returns at once, so
-    a run alone is exactly what it would be without this class.
+    torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
+    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
+    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
+    minibatches, but the ranks average their gradients before each step, so all take the same step
+    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
+    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
+    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
+    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
+    world of one, and every method returns at once.
     """
 
     def __init__(self, device: torch.device):
@@ -1019,8 +981,7 @@ class Ranks:
                                  f"{gpus}: lower --nproc_per_node")
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-        try:
-            # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP.
+        try:  # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         except (RuntimeError, ValueError) as error:
             raise UsageError(f"WORLD_SIZE is set, but joining the other ranks failed "
@@ -1028,8 +989,8 @@ class Ranks:
                              ) from None
 
     def collective(self, operation, *args):
-        """Run one torch.distributed operation. When another rank has died, gloo raises here (its
-        connection closed): this rank then stops with one line (RankError), not a traceback."""
+        """One torch.distributed operation. When another rank has died, gloo raises here: this
+        rank then stops with one line (RankError), not a traceback."""
         try:
             return operation(*args)
         except RuntimeError as error:
@@ -1039,13 +1000,8 @@ class Ranks:
                             ) from None
 
     def average_gradients(self, parameters):
-        """Replace each gradient with its mean over the ranks: one all-reduce of all gradients
-        flattened into one vector (1.7M floats, 6.7 MB, per minibatch). Why not
-        DistributedDataParallel: DDP overlaps the exchange with the backward pass, bucket by bucket,
-        which pays for networks many times this size; and it wraps the model, so the compiled
-        forward and loss and the checkpoint's parameter names would all go through the wrapper. One
-        message keeps the averaging outside the compiled code, in sight in Trainer.gradient_step,
-        before the clip: every rank clips the same global gradient and takes the same Adam step."""
+        """Each gradient becomes its mean over the ranks, in one all-reduce of all of them. (DDP
+        would overlap this with the backward pass, which pays only for big networks.)"""
         if not self.distributed:
             return
         grads = [p.grad for p in parameters]
@@ -1053,7 +1009,7 @@ class Ranks:
         self.collective(dist.all_reduce, flat)  # sum
         flat /= self.world_size
         for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
-            grad.copy_(part.view_as(grad))  # (copy_ keeps each gradient's layout: channels-last)
+            grad.copy_(part.view_as(grad))
 
     def mean(self, values: list) -> list:
         """Each number's mean over the ranks."""
@@ -1093,8 +1049,7 @@ class Ranks:
                 self.collective(dist.broadcast, tensor, 0)
 
     def check_same(self, tensors):
-        """Raise RankError on every rank unless every rank holds bitwise the same tensors as rank 0
-        (the weights at the end of a run: a difference means the ranks trained other networks)."""
+        """Raise RankError unless every rank holds bitwise rank 0's tensors (the final weights)."""
         if not self.distributed:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
@@ -1109,7 +1064,7 @@ class Ranks:
             dist.destroy_process_group()
 
 
-# ----- RunGuard: set-up, Ctrl-C, failures, logging and the summary --------------------------------
+# ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
 
 
 class WorkerError(RuntimeError):
@@ -1129,31 +1084,27 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 class RunGuard:
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-
-    On entry it reads --resume's checkpoint, checks the settings and the env, joins the other ranks
-    under torchrun, makes the run dir and seeds every generator. In the loop it records finished
-    episodes, stops on Ctrl-C or SIGTERM, logs each update, saves checkpoints when due, and stops
-    on a non-finite loss with the weights of the update before. On exit, whatever ended the run,
-    it closes the games, saves the last checkpoint and writes summary.json (a failure is raised
-    again afterwards), then gives back what it changed in the process (the signal handlers), so
-    that a notebook is left as it was.
-    """
+    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
+    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
+    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
+    afterwards), the signal handlers given back, so that a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        self.main = main
-        self.previous_handlers = {}
-        self.stop_signal = None
-        self.ranks = self.games = self.writer = None
-        self.updates = 0
-        self.summary = None
+        self.main, self.stop_signal, self.previous_handlers = main, None, {}
+        self.ranks = self.games = self.log = self.summary = None
 
     @property
     def config(self) -> Config:
         """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
         return self.main.config
 
+    solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+
     def __enter__(self) -> "RunGuard":
-        self.catch_stop_signals()
+        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
+            for signum in (signal.SIGINT, signal.SIGTERM):  # only noted: the loop stops cleanly
+                self.previous_handlers[signum] = signal.signal(
+                    signum, lambda number, frame: setattr(self, "stop_signal", number))
         try:
             self.setup()
         except BaseException:
@@ -1161,35 +1112,20 @@ class RunGuard:
             raise
         return self
 
-    def catch_stop_signals(self):
-        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step (under torchrun,
-        at the end of the rollout, all ranks together) and stops cleanly. (Signal handlers can only
-        be set from the main thread; in another thread the run cannot be interrupted this way.)"""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum, frame):
-            self.stop_signal = signum
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous_handlers[signum] = signal.signal(signum, request_stop)
-
     def setup(self):
-        config = self.config
-        self.checkpoint = load_checkpoint(config.resume) if config.resume else None
-        if self.checkpoint is not None:
-            config = resumed_config(self.checkpoint, config)
-        self.start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
+        start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
+        check_settings(self.config)
+        self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
+        config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
         check_settings(config)
-        device = pick_device(config.device)
         self.num_actions = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
-        self.ranks = Ranks(device)
+        self.ranks = Ranks(pick_device(config.device))
         self.device = self.ranks.device
+        self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
-        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config))
-        config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        self.main.config = config
+        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
+        self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
         # Reproducibility: every random draw of the trainer comes from torch's seeded generator
         # (action sampling, minibatch shuffling), and each game from its own seeded generator.
         # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
@@ -1197,94 +1133,73 @@ class RunGuard:
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
-        self.recent_returns, self.recent_lengths = deque(maxlen=100), deque(maxlen=100)
-        self.episodes = 0
-        self.solved_step = self.solved_seconds = None
-        self.interrupted = False
-        self.first_update_end = None  # (time, step) once the first update is done
-        self.last_print = 0.0
-        self.checkpoint_path = self.run_dir / "checkpoint.pt"
+        self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
+        self.log = RunLog(self, start_time)
 
     def prepare_learner(self) -> int:
         """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
         and compile (--compile). Returns the global step to start from."""
-        main, config = self.main, self.config
-        main.global_step = 0
+        main = self.main
+        main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
+            main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
+                                                  main.trainer.optimizer.param_groups[0]["lr"])
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
-        # The ranks start from the same weights, rank 0's; averaging the gradients keeps them so.
-        self.ranks.copy_from_rank_0(main.model.state_dict().values())
-        if config.compile:
-            compile_learner(main.model, main.trainer, config, self.device)
+        self.log.start()  # the start-up block
+        self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
+        if main.config.compile:
+            compile_learner(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
-        self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None
         return main.global_step
 
-    def start_games(self) -> Engine:
-        """The games of this rank, in the engine --env-backend names: game i of rank r is seeded
-        with seed + r * num_envs + i."""
-        config = self.config
-        first_seed = config.seed + self.ranks.rank * config.num_envs
-        seeds = [first_seed + i for i in range(config.num_envs)]
-        if config.env_backend == "ale-vector":
-            self.games = VectorGames(config.env, seeds, self.device)
-        else:
-            self.games = WorkerPool(config, seeds, self.device)
+    def start_games(self) -> Engine:  # game i of rank r is seeded with seed + r * num_envs + i
+        first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
+        seeds = [first_seed + i for i in range(self.config.num_envs)]
+        self.games = (VectorGames(self.config.env, seeds, self.device)
+                      if self.config.env_backend == "ale-vector" else
+                      WorkerPool(self.config, seeds, self.device))
         return self.games
 
-    def stop_at_once(self) -> bool:
-        """Ctrl-C alone stops a rollout at once; under torchrun all ranks stop together after it."""
+    def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
         return self.stop_signal is not None and not self.ranks.distributed
 
+    def mean(self, value: float) -> float:  # over the ranks (the value itself without torchrun)
+        return self.ranks.mean([value])[0]
+
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout, and stop (raise Interrupted) if asked to.
-        Under torchrun, this is where the ranks meet once per rollout: each learns the episodes of
-        every rank and whether any rank was asked to stop. All record the same episodes in the same
-        order (by step, then by rank), so they take the same --target-return decision."""
+        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
+        Under torchrun the ranks meet here once per rollout: each learns every rank's episodes, in
+        the same order (by step, then rank), and whether any was asked to stop, so all take the
+        same decisions."""
         shared = self.ranks.gather((ended, self.stop_signal))
-        episodes = sorted((episode for rank_ended, _ in shared for episode in rank_ended),
-                          key=lambda step_and_episode: step_and_episode[0])
-        for step, episode in episodes:
-            self.record_episode(episode, step)
+        for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
+                                    key=lambda step_and_episode: step_and_episode[0]):
+            self.log.record_episode(episode, step)
         signals = [signum for _, signum in shared if signum is not None]
         if signals:
             self.stop_signal = signals[0]
             raise Interrupted
 
-    def record_episode(self, episode: dict, step: int):
-        self.episodes += 1
-        self.recent_returns.append(episode["return"])
-        self.recent_lengths.append(episode["length"])
-        if self.writer is not None:
-            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
-            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
-        target = self.config.target_return
-        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
-                and np.mean(self.recent_returns) >= target):
-            self.solved_step = step
-            self.solved_seconds = time.perf_counter() - self.start_time
-
     def after_update(self, stats: dict):
-        """Stop on a non-finite loss; else count the update, log it, and save when due."""
-        main = self.main
+        """Average the diagnostics over the ranks and stop if one is not finite; else log the
+        update and save when due."""
+        main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
             raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
                                 f"({values}); stopped with the weights of the update before")
         self.updates += 1
-        if self.first_update_end is None:
-            self.first_update_end = (time.perf_counter(), main.global_step)
-        self.log_update(stats)
+        self.log.update(stats)
         if main.global_step - self.last_checkpoint_step >= self.config.checkpoint_every:
             save_checkpoint(learner_state(main), self.checkpoint_path, self.ranks)
             self.last_checkpoint_step = main.global_step
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
     def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games, and unless the error is one a run cannot save from (bad input, a bug),
+        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
         save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
         failure is raised again once everything is saved."""
         try:
@@ -1292,7 +1207,6 @@ class RunGuard:
                 self.games.close()
             if kind is not None and not issubclass(kind, (Interrupted, *FAILURES)):
                 return False
-            self.interrupted = kind is Interrupted
             failure = error if isinstance(error, FAILURES) else None
             if isinstance(error, (NonFiniteLoss, RankError)):  # the update may be half done
                 restore_learner(self.main, self.last_good_learner)
@@ -1302,10 +1216,7 @@ class RunGuard:
                 except RankError as mismatch:
                     failure = mismatch
             save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
-            self.summary = self.write_summary()
-            if self.writer is not None:
-                self.writer.close()
-                self.print_progress(final=True)
+            self.summary = self.log.finish(kind is Interrupted, failure is not None)
             if failure is not None and failure is not error:
                 raise failure
             return failure is None  # a failure propagates; Ctrl-C does not
@@ -1320,73 +1231,141 @@ class RunGuard:
         if self.ranks is not None:
             self.ranks.close()
 
+
+class RunLog:
+    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
+    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
+    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+
+    def __init__(self, guard: RunGuard, start_time: float):
+        self.guard, self.main, self.start_time = guard, guard.main, start_time
+        resumed = guard.checkpoint is not None
+        saved = guard.checkpoint.get("log", {}) if resumed else {}
+        self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
+        self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
+        self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
+        self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
+        self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
+        self.last_print = 0.0
+        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+
+    def say(self, line: str):
+        if self.writer is not None:  # rank 0 speaks for all
+            print(line, flush=True)
+
+    def start(self):
+        """What runs where, what differs from the defaults, and how far it goes."""
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
+        batch = guard.steps_per_step * config.num_steps
+        self.last_step = step + max(0, math.ceil((config.total_timesteps - step) / batch)) * batch
+        rounded = (f" ({config.total_timesteps:,} rounded up to whole rollouts of {batch:,})"
+                   if self.last_step != config.total_timesteps else "")
+        self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
+                 f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
+        changed = [(f.name.replace("_", "-"), getattr(config, f.name))
+                   for f in dataclasses.fields(Config)
+                   if f.name != "run_dir" and getattr(config, f.name) != f.default]
+        if changed:
+            self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
+                                              if isinstance(value, bool) else f"--{flag} {value}"
+                                              for flag, value in changed))
+        if self.resumed_at_step is not None:
+            rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
+            self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
+                     f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+        if config.compile:
+            self.say("compiling the model and the update (torch.compile, once per run; this can "
+                     "take a minute)...")
+
+    def record_episode(self, episode: dict, step: int):
+        self.episodes += 1
+        self.recent_returns.append(episode["return"])
+        self.recent_lengths.append(episode["length"])
+        if self.writer is not None:
+            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
+            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
+        target = self.guard.config.target_return
+        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
+                and np.mean(self.recent_returns) >= target):
+            self.solved_step, self.solved_seconds = step, self.seconds()
+
+    def update(self, stats: dict):
+        step, writer = self.main.global_step, self.writer
+        if self.first_update_end is None:
+            self.first_update_end = (time.perf_counter(), step)
+        if writer is None:
+            return
+        for key, value in stats.items():
+            writer.add_scalar(f"losses/{key}", value, step)
+        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.param_groups[0]["lr"],
+                          step)
+        if self.steady_speed() is not None:
+            writer.add_scalar("charts/steps_per_second", self.steady_speed(), step)
+        if time.perf_counter() - self.last_print >= 1.0:
+            self.print_progress()
+
+    def seconds(self) -> float:
+        """Wall-clock seconds of the whole run: the parts it was resumed from, and this one."""
+        return self.earlier_seconds + time.perf_counter() - self.start_time
+
     def steady_speed(self) -> Optional[float]:
-        """Steps per second since the end of the first update (which holds one-time costs)."""
+        """Steps per second since this process's first update (which holds one-time costs)."""
         if self.first_update_end is None:
             return None
         end_time, end_step = self.first_update_end
         elapsed, steps = time.perf_counter() - end_time, self.main.global_step - end_step
         return steps / elapsed if elapsed > 0 and steps > 0 else None
 
-    def log_update(self, stats: dict):
-        step, writer = self.main.global_step, self.writer
-        if writer is None:
-            return  # under torchrun, rank 0 logs and prints for all
-        for key, value in stats.items():
-            writer.add_scalar(f"losses/{key}", value, step)
-        learning_rate = self.main.trainer.optimizer.param_groups[0]["lr"]
-        writer.add_scalar("charts/learning_rate", learning_rate, step)
-        speed = self.steady_speed()
-        if speed is not None:
-            writer.add_scalar("charts/steps_per_second", speed, step)
-        if time.perf_counter() - self.last_print >= 1.0:
-            self.print_progress()
-
-    def print_progress(self, final: bool = False):
-        self.last_print = time.perf_counter()
-        total, step = self.config.total_timesteps, self.main.global_step
-        speed = self.steady_speed() or step / max(self.last_print - self.start_time, 1e-9)
+    def print_progress(self):
+        self.last_print, step, total = time.perf_counter(), self.main.global_step, self.last_step
+        self.printed_step = step
+        speed = (self.steady_speed() or (step - (self.resumed_at_step or 0))
+                 / max(self.last_print - self.start_time, 1e-9))
         eta = time.strftime("%H:%M:%S", time.gmtime(max(total - step, 0) / max(speed, 1e-9)))
         mean = lambda values: f"{np.mean(values):.1f}" if values else "-"
-        print(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | {speed:,.0f} steps/s | "
-              f"eta {eta} | return {mean(self.recent_returns)} | "
-              f"length {mean(self.recent_lengths)} | updates {self.updates}"
-              + (" | done" if final else ""), flush=True)
+        self.say(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | {speed:,.0f} steps/s | "
+                 f"eta {eta} | return {mean(self.recent_returns)} | "
+                 f"length {mean(self.recent_lengths)} | updates {self.guard.updates}")
 
-    def write_summary(self) -> dict:
-        now, speed = time.perf_counter(), self.steady_speed()
+    def state(self) -> dict:
+        """What the checkpoint keeps of the log, for a resumed run to count on."""
+        return {"episodes": self.episodes, "seconds": self.seconds(),
+                "recent_returns": list(self.recent_returns),
+                "recent_lengths": list(self.recent_lengths)}
+
+    def finish(self, interrupted: bool, failed: bool) -> dict:
+        """Write summary.json, print the last progress line (once) and how the run ended."""
+        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
-            "script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
-            "steps": self.main.global_step,
-            "seconds": round(now - self.start_time, 3),
+            "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
+            "seconds": round(self.seconds(), 3),
             "warmup_seconds": (round(self.first_update_end[0] - self.start_time, 3)
                                if self.first_update_end else None),
-            "steps_per_second": round(speed, 1) if speed else None,
-            "episodes": self.episodes,
+            "steps_per_second": round(speed, 1) if speed else None, "episodes": self.episodes,
             "mean_return_100": float(np.mean(self.recent_returns)) if self.recent_returns else None,
-            "target_return": self.config.target_return,
-            "solved_step": self.solved_step,
+            "target_return": config.target_return, "solved_step": self.solved_step,
             "solved_seconds": (round(self.solved_seconds, 3) if self.solved_seconds is not None
-                               else None),
-            "interrupted": self.interrupted,
-            "checkpoint": str(self.checkpoint_path) if self.checkpoint_path.exists() else None,
-            "world_size": self.ranks.world_size,
-        }
-        if self.ranks.rank != 0:
+                               else None), "interrupted": interrupted,
+            "checkpoint": str(guard.checkpoint_path) if guard.checkpoint_path.exists() else None,
+            "world_size": guard.ranks.world_size, "resumed_at_step": self.resumed_at_step}
+        if self.writer is None:
             return summary  # rank 0 writes it
         try:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            path.write_text(json.dumps(summary, indent=2) + "\n")
         except OSError as error:
             print(f"warning: could not write summary.json ({error})", file=sys.stderr)
+        self.writer.close()
+        if self.printed_step != step:
+            self.print_progress()
+        how = (f"reached the target return {config.target_return:g} at step {self.solved_step:,}"
+               if self.solved_step is not None else
+               f"{'interrupted' if interrupted else 'finished'} at step {step:,}")
+        after = datetime.timedelta(seconds=round(self.seconds()))  # h:mm:ss
+        if not failed:
+            self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
+                     + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """1 when the value function predicts the returns perfectly, 0 when not at all. A constant
-    return (e.g. all episodes alike) leaves nothing to explain: 0."""
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
 
 
 def make_writer(run_dir: Path, config: Config):
@@ -1411,6 +1390,7 @@ def learner_state(main: Main) -> dict:
         "config": dataclasses.asdict(main.config),
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
         "global_step": main.global_step, "updates": guard.updates,
+        "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
     }
 
@@ -1424,7 +1404,21 @@ def restore_learner(main: Main, state: dict):
                          f"{str(error).splitlines()[-1].strip()}") from None
     main.trainer.optimizer.load_state_dict(state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
+    main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
+
+
+def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
+    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
+    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
+    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
+    never jumps; a new --learning-rate starts there."""
+    saved = checkpoint["config"]
+    if config.learning_rate != saved["learning_rate"]:
+        return step, config.learning_rate
+    if config.total_timesteps != saved["total_timesteps"] and saved["anneal_lr"]:
+        return step, rate
+    return tuple(checkpoint.get("anneal_from", (0, saved["learning_rate"])))
 
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
@@ -1444,10 +1438,20 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
         print(f"warning: could not write {path} ({reason}); {kept}", file=sys.stderr)
 
 
-def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+def find_checkpoint(path: str) -> Path:
+    """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
+    if Path(path).is_dir():
+        if not (Path(path) / "checkpoint.pt").is_file():
+            raise UsageError(f"run folder {path} holds no checkpoint.pt")
+        return Path(path) / "checkpoint.pt"
     if not Path(path).is_file():
         raise UsageError(f"checkpoint {path} not found")
+    return Path(path)
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+    path = find_checkpoint(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -1458,42 +1462,40 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
+    checkpoint["path"] = str(path)
     return checkpoint
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
     """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). A different env is
-    refused."""
+    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    checkpoint's folder unless given. A different env is refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
-    config = Config(**saved)
-    for f in fields:
-        value = getattr(given, f.name)
-        if value != f.default:
-            if f.name == "env" and value != saved.get(f.name):
-                raise UsageError(f"the checkpoint was trained with --{f.name.replace('_', '-')} "
-                                 f"{saved.get(f.name)}, not {value}")
-            config = dataclasses.replace(config, **{f.name: value})
-    return config
+    saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    changed = {f.name: getattr(given, f.name) for f in fields
+               if getattr(given, f.name) != f.default}
+    for name in ("env",):
+        if name in changed and changed[name] != saved.get(name):
+            raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
+                             f"{saved.get(name)}, not {changed[name]}")
+    return Config(**{**saved, **changed})
 
 
-# ----- Evaluation and video ----------------------------------------------------------------------
+# ----- Evaluation and video -----------------------------------------------------------------------
 
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
     """--eval: play --eval-episodes whole games (all lives) with a checkpoint's policy and report
     the real, unclipped score."""
+    check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
-    check_settings(config)
-    if config.eval_episodes <= 0:
-        raise UsageError("--eval-episodes must be positive")
     model = Model(inspect_env(config.env), bfloat16=config.precision == "bfloat16")
     model.load_state_dict(checkpoint["model"])
     torch.manual_seed(config.seed)
-    run_dir = Path(given.run_dir) if given.run_dir else Path(config.eval).parent
+    run_dir = Path(config.run_dir)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
     video = None
     obs = game.reset()
@@ -1512,8 +1514,8 @@ def evaluate_checkpoint(given: Config) -> dict:
             video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
     how = "greedy" if config.greedy else "sampled"
-    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {len(returns)} episodes "
-          f"({how} actions)")
+    episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
+    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
     if video is not None:
         print(f"video: {run_dir / 'eval.mp4'}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
@@ -1524,7 +1526,7 @@ def evaluate_checkpoint(given: Config) -> dict:
 def write_frame(video, game: Game, path: Path):
     """Append the game's current picture (in colour) to the mp4 (OpenCV's VideoWriter, opened at
     the first frame). One picture per agent step: the video plays at real speed."""
-    frame = game.render()
+    frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fps = game.env.metadata.get("render_fps", 60) / FRAME_SKIP
@@ -1539,26 +1541,32 @@ def write_frame(video, game: Game, path: Path):
 # ----- Checking the input -------------------------------------------------------------------------
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
+          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change."""
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                 "checkpoint_every"):
-        if getattr(config, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, not "
-                             f"{getattr(config, name)}")
+    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    the range its Config field names, or not finite; flags that make no sense together."""
+    for f in dataclasses.fields(Config):
+        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
+        flag = flag.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, not {value}")
+        if rule is not None and value is not None and not RANGES[rule](value):
+            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
+            raise UsageError(f"{flag} must be {wanted}, not {value}")
     for name, choices in (("compile_mode", ("default", "reduce-overhead", "max-autotune")),
                           ("precision", ("float32", "bfloat16")),
                           ("env_backend", ("game", "ale-vector"))):
         if getattr(config, name) not in choices:
             raise UsageError(f"unknown --{name.replace('_', '-')} {getattr(config, name)!r}: "
                              f"use {', '.join(choices[:-1])} or {choices[-1]}")
-    if config.num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 (games in this process) or more, not "
-                         f"{config.num_workers}")
+    for flag in ("video", "greedy"):
+        if getattr(config, flag) and not config.eval:
+            raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
+    if config.eval and config.resume:
+        raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one")
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
@@ -1571,12 +1579,6 @@ def check_settings(config: Config):
                          f"normalised: raise --num-envs or --num-steps, or lower --num-minibatches")
 
 
-def make_atari(env_id: str, **options) -> gym.Env:
-    """gym.make for an Atari id, without the emulator's start-up banner on stderr."""
-    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)
-    return gym.make(env_id, **options)
-
-
 def inspect_env(env_id: str) -> int:
     """Check that the env exists and is an Atari game. Returns its number of actions."""
     if env_id not in gym.registry:
@@ -1584,16 +1586,23 @@ def inspect_env(env_id: str) -> int:
         hint = (f"; did you mean {' or '.join(close)}?" if close
                 else "; Atari ids look like ALE/Pong-v5 or PongNoFrameskip-v4")
         raise UsageError(f"unknown env {env_id!r}{hint}")
-    if not str(gym.spec(env_id).entry_point).startswith("ale_py"):
-        raise UsageError(f"{env_id} is not an Atari game: use ppo_cartpole.py for games with "
-                         f"vector observations")
+    atari = str(gym.spec(env_id).entry_point).startswith("ale_py")
     try:
-        env = make_atari(env_id, obs_type="grayscale", frameskip=1)
+        env = Game(env_id, seed=0).env if atari else gym.make(env_id)
     except Exception as error:
         raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
-    num_actions = int(env.action_space.n)
+    obs_space, action_space = env.observation_space, env.action_space
     env.close()
-    return num_actions
+    if atari:
+        return int(action_space.n)
+    if not isinstance(obs_space, gym.spaces.Box):
+        raise UsageError(f"{env_id} is not an Atari game, and no script of this library handles "
+                         f"{type(obs_space).__name__} observations yet")
+    if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
+        raise UsageError(f"{env_id} is not an Atari game, and no script of this library handles "
+                         f"image observations outside Atari yet")
+    script = "ppo_continuous.py" if isinstance(action_space, gym.spaces.Box) else "ppo_cartpole.py"
+    raise UsageError(f"{env_id} is not an Atari game: use {script}")
 
 
 def pick_device(name: str) -> torch.device:
@@ -1610,9 +1619,23 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def make_run_dir(config: Config) -> Path:
+RUN_FILES = ("checkpoint.pt", "summary.json", "events.out.tfevents.*", "eval.mp4")
+
+
+def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
+    """The run dir, made and tested for writing. One that holds another run is refused, unless
+    --overwrite (which deletes that run's files first) or it is the folder being resumed."""
     default = f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}"
     run_dir = Path(config.run_dir or default)
+    resumed_here = (checkpoint is not None
+                    and Path(checkpoint["path"]).parent.resolve() == run_dir.resolve())
+    earlier_run = [path for pattern in RUN_FILES for path in run_dir.glob(pattern)]
+    if earlier_run and not resumed_here:
+        if not config.overwrite:
+            raise UsageError(f"--run-dir {run_dir} already holds a run: continue it with --resume "
+                             f"{run_dir}, or choose another --run-dir (--overwrite replaces it)")
+        for path in earlier_run:
+            path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -1625,22 +1648,6 @@ def make_run_dir(config: Config) -> Path:
 
 
 # ----- The command line ---------------------------------------------------------------------------
-
-
-def parse_config(argv=None) -> Config:
-    """The command line: one flag per Config field, with its default and explanation in --help."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kind = next(t for t in (bool, int, float, str)
-                    if t is f.type or t in typing.get_args(f.type))
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    return Config(**vars(parser.parse_args(argv)))
 
 
 def command_line(argv=None) -> int:

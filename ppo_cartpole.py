@@ -21,7 +21,6 @@ In a notebook:  from ppo_cartpole import Config, Main; Main(Config(total_timeste
                 (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
 """
 
-
 import argparse
 import dataclasses
 import difflib
@@ -50,7 +49,7 @@ class Config:
     The defaults solve CartPole-v1 fastest (benchmarks/README.md has the measurements)."""
 
     # PPO's hyperparameters.
-    learning_rate: float = option(8e-3, "Adam step size at the start, annealed linearly to 0", "> 0")
+    learning_rate: float = option(8e-3, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
     gamma: float = option(0.98, "discount: 0.98 looks ~50 steps ahead, enough for a pole", "(0, 1]")
     gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
@@ -80,8 +79,8 @@ class Config:
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
     checkpoint_every: int = option(100_000, "save a checkpoint every this many steps", "> 0")
-    resume: Optional[str] = option(None, "continue training from this checkpoint (or run folder)")
-    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint (or folder)")
+    resume: Optional[str] = option(None, "continue training from this checkpoint or run folder")
+    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint or run")
     eval_episodes: int = option(10, "games played by --eval", "> 0")
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
@@ -94,30 +93,29 @@ def parse_config(argv=None) -> Config:
     flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
     def refuse(message: str):
-        typed = [word.split("=")[0] for word in message.split() if word.startswith("--")]
+        typed = [word for word in message.split() if word.startswith("--")]
         close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
         hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
         print(f"error: {message}{hint}", file=sys.stderr)
         sys.exit(2)
 
     def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
-        number = float(text.replace("_", ""))
+        try:
+            number = float(text.replace("_", ""))
+        except ValueError:
+            number = math.nan
         if not number.is_integer():
-            raise ValueError(text)
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
         return int(number)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = refuse
     for flag, f in flags.items():
-        kind = next(t for t in (bool, int, float, str)
-                    if t is f.type or t in typing.get_args(f.type))
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            parser.add_argument(flag, type=whole_number if kind is int else kind,
-                                default=f.default, help=f.metadata["help"])
+        kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
+        parser.add_argument(flag, default=f.default, help=f.metadata["help"],
+                            **({"action": argparse.BooleanOptionalAction} if kind is bool else
+                               {"type": whole_number if kind is int else kind}))
     return Config(**vars(parser.parse_args(argv)))
 
 
@@ -305,13 +303,17 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     the last step. Returns the advantages [T, N]; the value targets are advantages + values.
 
     The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
-    expected. With the TD error delta_t = r_t + gamma V(s_{t+1}) - V(s_t), the k-step estimators
-    A_t^(k) = sum_{l<k} gamma^l delta_{t+l} = sum_{l<k} gamma^l r_{t+l} + gamma^k V(s_{t+k}) - V(s_t)
+    expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
+
+        A_t^(k) = sum_(l<k) gamma^l delta_(t+l)
+                = sum_(l<k) gamma^l r_(t+l) + gamma^k V(s_(t+k)) - V(s_t)
+
     trade bias for variance: few steps lean on V (biased wherever V is wrong), many on the sampled
     rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
     (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
 
-        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l} = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
+        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
+                  = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
 
     lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
     (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
@@ -578,6 +580,7 @@ class Main:
 # the command line.
 
 import copy
+import datetime
 import hashlib
 import json
 import multiprocessing.connection
@@ -1067,7 +1070,8 @@ class RunGuard:
         self.obs_size, self.action_dims, self.binary = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
-        self.device, self.steps_per_step = self.ranks.device, config.num_envs * self.ranks.world_size
+        self.device = self.ranks.device
+        self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
@@ -1306,7 +1310,7 @@ class RunLog:
         how = (f"reached the target return {config.target_return:g} at step {self.solved_step:,}"
                if self.solved_step is not None else
                f"{'interrupted' if interrupted else 'finished'} at step {step:,}")
-        after = time.strftime("%H:%M:%S", time.gmtime(self.seconds()))
+        after = datetime.timedelta(seconds=round(self.seconds()))  # h:mm:ss
         if not failed:
             self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
@@ -1421,7 +1425,8 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
-    changed = {f.name: getattr(given, f.name) for f in fields if getattr(given, f.name) != f.default}
+    changed = {f.name: getattr(given, f.name) for f in fields
+               if getattr(given, f.name) != f.default}
     for name in ("env", "hidden_size"):
         if name in changed and changed[name] != saved.get(name):
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
@@ -1511,9 +1516,9 @@ def check_settings(config: Config):
             raise UsageError(f"{flag} must be {wanted}, not {value}")
     for flag in ("video", "greedy"):
         if getattr(config, flag) and not config.eval:
-            raise UsageError(f"--{flag} applies to --eval's games: add --eval CHECKPOINT")
+            raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
     if config.eval and config.resume:
-        raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one of them")
+        raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one")
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")

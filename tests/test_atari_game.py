@@ -500,12 +500,12 @@ def test_points_scored_during_the_noops_count_in_the_return():
 def test_worker_in_a_child_process_matches_in_process():
     seeds, shape = [11, 12], (2, 4, 84, 84)
     local_view = np.zeros(shape, dtype=np.uint8)
-    local = pa.Worker(0, BREAKOUT, seeds, local_view, in_process=True, inherited_trainer_ends=[])
+    local = pa.InProcessWorker(0, BREAKOUT, seeds[0], local_view, [])
     memory = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)))
     child = None
     try:
         child_view = np.ndarray(shape, dtype=np.uint8, buffer=memory.buf)
-        child = pa.Worker(1, BREAKOUT, seeds, child_view, in_process=False, inherited_trainer_ends=[])
+        child = pa.GuardedWorker(1, BREAKOUT, seeds[0], child_view, inherited_trainer_ends=[])
         assert child.process.is_alive()
         np.testing.assert_array_equal(child_view, local_view)
         assert local_view.any()

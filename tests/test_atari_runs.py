@@ -72,7 +72,7 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
 
     result = run_script("--eval", run_dir / "checkpoint.pt", "--eval-episodes", 1, "--video")
     assert result.returncode == 0, result.stderr
-    assert "over 1 episodes" in result.stdout
+    assert "over 1 episode (" in result.stdout
     video = cv2.VideoCapture(str(run_dir / "eval.mp4"))
     ok, frame = video.read()
     assert ok and frame.shape == (210, 160, 3)

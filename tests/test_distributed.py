@@ -108,7 +108,7 @@ def test_two_ranks_train_one_network_and_count_the_steps_of_both(tmp_path):
     checkpoint = checkpoint_of(tmp_path)
     assert checkpoint["global_step"] == 8 * GLOBAL_BATCH and checkpoint["updates"] == 8
     assert checkpoint["optimizer"]["steps"] == 8 * 8 * 2  # updates x epochs x minibatches, as alone
-    assert result.stdout.count("| done") == 1  # rank 0 alone prints and logs
+    assert result.stdout.count("finished at step") == 1  # rank 0 alone prints and logs
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
 
 
@@ -218,8 +218,9 @@ def test_resume_under_torchrun_continues_from_the_checkpoint(tmp_path):
     resumed = checkpoint_of(tmp_path)
     assert resumed["global_step"] == new_total and resumed["updates"] == 5
     assert resumed["optimizer"]["steps"] == 5 * 8 * 2  # Adam went on counting
-    # The last update started at new_total - GLOBAL_BATCH: the schedule follows the global step.
-    assert resumed["optimizer"]["lr"] == pytest.approx(pc.Config().learning_rate * GLOBAL_BATCH / new_total)
+    # The total changed: the rate anneals from the one of the first run's last update (lr / 2, at
+    # step GLOBAL_BATCH of 2) to 0 over the steps left; the last update started at new_total - GLOBAL_BATCH.
+    assert resumed["optimizer"]["lr"] == pytest.approx(pc.Config().learning_rate / 2 * (1 - 2 / 3))
     assert summary_of(tmp_path)["steps"] == new_total
 
 
@@ -235,7 +236,7 @@ def test_two_atari_ranks_train_one_network_and_count_the_steps_of_both(tmp_path)
     assert checkpoint["global_step"] == 3 * ATARI_BATCH and checkpoint["updates"] == 3
     # updates x epochs x minibatches gradient steps, as alone (fused Adam counts them per parameter)
     assert all(state["step"].item() == 3 * 4 * 2 for state in checkpoint["optimizer"]["state"].values())
-    assert result.stdout.count("| done") == 1  # rank 0 alone prints and logs
+    assert result.stdout.count("finished at step") == 1  # rank 0 alone prints and logs
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
 
 
@@ -245,15 +246,15 @@ def test_the_atari_games_of_rank_r_are_seeded_after_those_of_the_ranks_before(ba
     seeds = []
 
     class Recorder:
-        def __init__(self, index, env_id, game_seeds, obs_view, in_process, inherited_trainer_ends):
-            seeds.extend(game_seeds)
+        def __init__(self, index, env_id, seed, obs_view, inherited_trainer_ends):
+            seeds.extend(seed + i for i in range(len(obs_view)))
             self.trainer_end = None
 
         def close(self):
             pass
 
     monkeypatch.setattr(pa, "VectorGames", lambda env_id, game_seeds, device: seeds.extend(game_seeds))
-    monkeypatch.setattr(pa, "Worker", Recorder)
+    monkeypatch.setattr(pa, "GuardedWorker", Recorder)
     guard = pa.RunGuard(pa.Main(pa.Config(seed=5, num_envs=4, num_workers=2, env_backend=backend)))
     guard.device, guard.ranks = torch.device("cpu"), types.SimpleNamespace(rank=2, world_size=3, distributed=True)
     games = guard.start_games()

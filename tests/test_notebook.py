@@ -59,7 +59,7 @@ def test_pasted_into_a_cell_it_defines_everything_and_starts_nothing(script, tmp
         source,  # the whole file, as a user pastes it
         "print('defined:', callable(Main), 'runs:', len(list(__import__('pathlib').Path("
         f"{str(tmp_path)!r}).iterdir())))",
-        f"print(json.dumps({run}))\nprint(json.dumps({run}))",
+        f"print(json.dumps({run}))\nprint(json.dumps({run.replace('seed=3,', 'seed=3, overwrite=True,')}))",
         process_state_cell(),
         # a failing run gives back what it changed too (here: an env it cannot make)
         "try:\n    Main(Config(env='NoSuchEnv-v0')).run()\nexcept UsageError as error:\n"
@@ -90,7 +90,7 @@ def test_imported_and_run_with_percent_run(script, tmp_path):
     summary = json.loads((tmp_path / "percent_run" / "summary.json").read_text())
     budget = int(flags.split()[1])  # whole rollouts: at least the budget, less than a rollout more
     assert budget <= summary["steps"] < budget + 2048 and not summary["interrupted"]
-    assert "| done" in outputs[1]
+    assert "finished at step" in outputs[1]
 
 
 def test_interrupting_the_kernel_saves_and_leaves_no_worker(tmp_path):
