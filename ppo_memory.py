@@ -4,27 +4,20 @@ Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the imple
 of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37
 details", its LSTM details "LSTM details"), each named where it is implemented.
 
-The idea. A policy-gradient method improves a policy with games the policy itself just played; the
-games then describe an older policy, so plain policy gradient uses each batch once. PPO reuses each
-batch ("rollout") for several epochs of minibatch steps, and keeps the new policy near the one that
-collected the data by clipping the probability ratio r_t = pi(a_t | h_t) / pi_old(a_t | h_t) in its
-objective (PPO paper, eq. 7), so that a step gains nothing by moving r_t beyond [1 - eps, 1 + eps]:
-
-    L_clip = mean_t min( r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t )
-
-The advantage A_t says how much better action a_t did than the value V(h_t) expected. Generalized
-Advantage Estimation (GAE, Schulman et al., 2016) weighs the one-step errors of V by gamma * lambda:
-
-    A_t = sum_k (gamma lambda)^k delta_(t+k),   delta_t = r_t + gamma V(h_(t+1)) - V(h_t)
+The idea. Policy gradient improves a policy with games it just played, and can use each batch of
+them only once. PPO reuses each batch ("rollout") for several epochs of minibatch steps, and keeps
+the new policy near the one that played by clipping the probability ratio
+rho_t = pi(a_t | h_t) / pi_old(a_t | h_t) (`Trainer.ppo_loss` derives it). The advantage A_t, how
+much better a_t did than the value V(h_t) expected, comes from GAE (`compute_gae` derives it).
 
 Memory. Stateless CartPole (the default) shows the cart's position and the pole's angle, not their
 velocities: the policy must act on the history h_t = (o_1, a_1, r_1, ..., o_t), not on o_t alone.
 --memory chooses how: none (o_t alone, the baseline), framestack (the last k steps side by side),
 lstm or gru (a state carried from step to step), attention (a gated Transformer-XL block over the
-last M steps). r_t is right only if training sees exactly what the rollout saw (`Model`).
+last M steps). rho_t is right only if training sees exactly what the rollout saw (`Model`).
 
-Read it top to bottom: `Config`, `Game`, `Worker`, `Model`, `compute_gae`, `Trainer`, `Main`; PPO
-is complete at the banner, and the machinery (engines, torchrun, checkpoints, the CLI) follows.
+Read it top to bottom, `Config` to `Main` (the loop); the banner ends the lesson, and below it the
+machinery (engines, torchrun, bookkeeping, checkpoints, evaluation, checks) may be skipped.
 
 Run it:         python ppo_memory.py --memory lstm   (stateless CartPole; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_memory.py   (data parallel: `Ranks`)
@@ -33,266 +26,405 @@ In a notebook:  from ppo_memory import Config, Main; Main(Config(total_timesteps
 """
 
 import argparse
-import copy
 import dataclasses
 import difflib
-import hashlib
-import json
 import math
-import multiprocessing.connection  # (binds `multiprocessing` too)
-import os
-import random
-import signal
+import multiprocessing
 import sys
-import threading
-import time
 import typing
-from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
-from pathlib import Path
 from typing import Optional
 
-import gymnasium as gym
-import numpy as np
-import torch
-import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
-import torch.nn as nn
-from gymnasium.vector import AutoresetMode
-
 SCRIPT = "ppo_memory"
-MEMORY_KINDS = ("none", "framestack", "lstm", "gru", "attention")
 
 
-def option(default, help, choices=None):
-    """A Config field with its one-line explanation, which `--help` prints."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+
+
+def option(default, help, check=None, choices=None):
+    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices})
+
+
+# Each kind of memory's own settings, for the fields Config leaves at None. lstm, gru and attention
+# share their encoder and memory between actor and critic (CleanRL's LSTM PPO), so the value loss
+# (returns up to ~50) pulls on what the policy reads too: weighed 0.03, not 0.5 (benchmarks/README).
+KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
+               "vf_coef")
+KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
+    #            learning rate, steps per rollout, minibatches, epochs, hidden units, value weight
+    "none": (8e-3, 32, 2, 8, 64, 0.5),
+    "framestack": (8e-3, 32, 2, 8, 64, 0.5),
+    "lstm": (3e-3, 32, 4, 8, 128, 0.03),
+    "gru": (3e-3, 32, 4, 8, 128, 0.03),
+    "attention": (3e-3, 32, 4, 8, 64, 0.03),
+}.items()}
+MEMORY_KINDS = tuple(KIND_DEFAULTS)
 
 
 @dataclass
 class Config:
     """Every setting of a run; each field is also a command-line flag (`num_envs` -> `--num-envs`).
-    "Per kind": a field left at None takes its value for --memory from KIND_DEFAULTS (machinery)."""
+    A field left at None takes the value of its --memory kind (KIND_DEFAULTS, just above)."""
 
     # PPO's hyperparameters.
-    learning_rate: Optional[float] = option(None, "Adam step size at the start (default: per kind)")
+    learning_rate: Optional[float] = option(None, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.98, "discount factor: 0.98 looks ~50 steps ahead, enough for a pole")
-    gae_lambda: float = option(0.95, "GAE lambda: bias (0) vs variance (1) of the advantage")
-    num_minibatches: Optional[int] = option(None, "minibatches per rollout, by env (per kind)")
-    update_epochs: Optional[int] = option(None, "passes over each rollout (default: per kind)")
-    clip_coef: float = option(0.2, "PPO's clip range for the probability ratio")
+    gamma: float = option(0.98, "discount: 0.98 looks ~50 steps ahead, enough for a pole", "(0, 1]")
+    gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
+    num_minibatches: Optional[int] = option(None, "minibatches per rollout, by env", "> 0")
+    update_epochs: Optional[int] = option(None, "passes over each rollout", "> 0")
+    clip_coef: float = option(0.2, "PPO's clip range for the probability ratio", "> 0")
     clip_value_loss: bool = option(False, "clip the value update too")
-    ent_coef: float = option(0.0, "weight of the entropy bonus")
-    vf_coef: Optional[float] = option(None, "weight of the value loss (default: per kind)")
-    max_grad_norm: float = option(0.5, "clip the global gradient norm to this")
-    target_kl: Optional[float] = option(None, "stop an update's epochs once approx KL exceeds this")
-    hidden_size: Optional[int] = option(None, "units of MLP layers and memory (default: per kind)")
+    ent_coef: float = option(0.0, "weight of the entropy bonus", ">= 0")
+    vf_coef: Optional[float] = option(None, "weight of the value loss", ">= 0")
+    max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
+    target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
+    hidden_size: Optional[int] = option(None, "units of MLP layers and memory", "> 0")
 
     # Memory (the default kind solves stateless CartPole fastest: benchmarks/README.md).
     memory: str = option("framestack", "what the policy remembers", choices=MEMORY_KINDS)
-    frame_stack: int = option(4, "with --memory framestack: steps the policy sees")
-    attention_span: int = option(16, "with --memory attention: steps each step attends to")
+    frame_stack: int = option(4, "with --memory framestack: steps the policy sees", "> 0")
+    attention_span: int = option(16, "with --memory attention: steps each step attends to", "> 0")
     prev_action_reward: bool = option(True, "give the model the previous action and reward too")
     normalize_observations: bool = option(True, "scale observations by a running mean and std")
 
     # Collecting experience.
     env: str = option("StatelessCartPole-v1", "gymnasium id: vector observations, Discrete actions")
-    num_envs: int = option(64, "games played side by side (by each rank, under torchrun)")
-    num_workers: int = option(0, "child processes that run the games (0 = in this process)")
-    num_steps: Optional[int] = option(None, "steps per game in each rollout (default: per kind)")
+    num_envs: int = option(64, "games played side by side (by each rank, under torchrun)", "> 0")
+    num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
+    num_steps: Optional[int] = option(None, "steps per game in each rollout", "> 0")
 
     # The run.
-    seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i")
-    total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)")
+    seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
+    total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
     run_dir: Optional[str] = option(
-        None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
+        None, "logs, checkpoint, summary (default runs/<env>__<script>__<memory>__<seed>__<time>)")
+    overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
-    checkpoint_every: int = option(100_000, "save a checkpoint every this many steps, and last")
-    resume: Optional[str] = option(None, "continue training from this checkpoint")
-    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint")
-    eval_episodes: int = option(10, "games played by --eval")
+    checkpoint_every: int = option(100_000, "save a checkpoint every this many steps", "> 0")
+    resume: Optional[str] = option(None, "continue training from this checkpoint or run folder")
+    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint or run")
+    eval_episodes: int = option(10, "games played by --eval", "> 0")
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile the loss (off: it takes longer than it saves)")
 
 
-class Game:
-    """A batch of `num_envs` copies of one gymnasium env (SyncVectorEnv, same-step autoreset; env i
-    seeded with seed + i): every value below is an array over the batch, observations float32 rows.
-    An ended episode restarts in the same step: `step` returns the next episode's first observation,
-    and the ended one's last in `info["final_obs"]` (rows marked by `info["_final_obs"]`), to
-    bootstrap from if truncated; `info["episode"]` (marked by `info["_episode"]`) its statistics."""
+def parse_config(argv=None) -> Config:
+    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
+    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
-    def __init__(self, env_id: str, seed: int, num_envs: int = 1, render_mode: str = None):
+    def refuse(message: str):
+        typed = [word for word in message.split() if word.startswith("--")]
+        close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
+        hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
+        print(f"error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+    def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
+        try:
+            number = float(text.replace("_", ""))
+        except ValueError:
+            number = math.nan
+        if not number.is_integer():
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
+        return int(number)
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.error = refuse
+    for flag, f in flags.items():
+        kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
+        help, default = f.metadata["help"], f.default
+        if f.name in KIND_FIELDS:  # by --memory: "0.008 for none, framestack; 0.003 for lstm, ..."
+            kinds_of = {}
+            for memory, settings in KIND_DEFAULTS.items():
+                kinds_of.setdefault(settings[f.name], []).append(memory)
+            help += (f" (default: {settings[f.name]})" if len(kinds_of) == 1 else " (default: "
+                     + "; ".join(f"{value} for {', '.join(kinds)}"
+                                 for value, kinds in kinds_of.items()) + ")")
+            default = argparse.SUPPRESS  # (Config's None stays, and --help adds no "(default:")
+        parser.add_argument(flag, default=default, help=help,
+                            **({"action": argparse.BooleanOptionalAction} if kind is bool else
+                               {"type": whole_number if kind is int else kind,
+                                "choices": f.metadata["choices"]}))
+    return Config(**vars(parser.parse_args(argv)))
+
+
+if __name__ == "__main__" and "__file__" in globals():
+    parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+# The partially observed games of this script: classic-control games with their velocities hidden
+# (a velocity is the change between two observations: only a policy that remembers can know it).
+# id -> (the full game, the entries of its observation that stay); the game's time limit stays.
+STATELESS_ENVS = {
+    "StatelessCartPole-v1": ("CartPole-v1", [0, 2]),  # cart position, pole angle
+    "StatelessAcrobot-v1": ("Acrobot-v1", [0, 1, 2, 3]),  # cos and sin of both angles
+}
+
+
+def make_stateless_env(base: str, keep: list, **kwargs) -> gym.Env:
+    env = gym.make(base, **kwargs)
+    space = env.observation_space
+    kept = gym.spaces.Box(space.low[keep], space.high[keep], dtype=space.dtype)
+    return gym.wrappers.TransformObservation(env, lambda obs: obs[keep], kept)
+
+
+def register_stateless_envs():
+    """Register STATELESS_ENVS with gymnasium, once (importing this file changes nothing)."""
+    for env_id, (base, keep) in STATELESS_ENVS.items():
+        if env_id not in gym.registry:
+            gym.register(env_id, entry_point=make_stateless_env,
+                         kwargs={"base": base, "keep": keep})
+
+
+class Game:
+    """One gymnasium env, its observations as flat float32 vectors. An ended episode restarts in
+    the same step: `step` returns the next episode's first observation, the ended one's last in
+    `info["final_obs"]` (to bootstrap from if a time limit cut it), its return and length in
+    `info["episode"]`."""
+
+    def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
         register_stateless_envs()
-        self.envs = gym.make_vec(  # (render_mode only when asked: not every env accepts it)
-            env_id, num_envs, vectorization_mode="sync",
-            vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
-            **({"render_mode": render_mode} if render_mode else {}))
-        self.seed, self.num_envs = seed, num_envs
-        self.action_space = self.envs.single_action_space
-        self.episode_returns = np.zeros(num_envs)
-        self.episode_lengths = np.zeros(num_envs, dtype=np.int64)
+        # (render_mode only when asked for: envs without rendering need not accept it)
+        self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
+        self.seed, self.first_action = seed, self.env.action_space.start
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the envs' own random streams.
-        obs, _ = self.envs.reset(seed=self.seed)
-        self.seed = None
-        self.episode_returns[:], self.episode_lengths[:] = 0, 0
-        return self.flat(obs)
+        # Seed only the first reset: later restarts continue the env's own random stream.
+        obs, _ = self.env.reset(seed=self.seed)
+        self.seed, self.episode_return, self.episode_length = None, 0.0, 0
+        return np.asarray(obs, dtype=np.float32).ravel()
 
-    def step(self, actions: np.ndarray):
-        obs, rewards, terminated, truncated, env_info = self.envs.step(
-            actions + self.action_space.start)  # the model counts choices from 0
-        self.episode_returns += rewards
-        self.episode_lengths += 1
-        info = {}
-        ended = terminated | truncated
-        if ended.any():
-            info["_final_obs"] = info["_episode"] = ended
-            info["final_obs"] = np.zeros_like(self.flat(obs))
-            info["final_obs"][ended] = self.flat(np.stack(env_info["final_obs"][ended]))
-            info["episode"] = {"return": self.episode_returns.copy(),
-                               "length": self.episode_lengths.copy()}
-            self.episode_returns[ended], self.episode_lengths[ended] = 0, 0
-        return self.flat(obs), rewards.astype(np.float32), terminated, truncated, info
-
-    @staticmethod
-    def flat(obs) -> np.ndarray:
-        obs = np.asarray(obs, dtype=np.float32)
-        return obs.reshape(len(obs), -1)
-
-    def render(self) -> np.ndarray:
-        return self.envs.render()[0]
+    def step(self, action: int):
+        # (The model counts choices from 0, the env from its action space's start.)
+        obs, reward, terminated, truncated, _ = self.env.step(action + self.first_action)
+        self.episode_return += reward
+        self.episode_length += 1
+        obs, info = np.array(obs, dtype=np.float32).ravel(), {}  # (a copy: the env may reuse it)
+        if terminated or truncated:
+            info["final_obs"] = obs
+            info["episode"] = {"return": float(self.episode_return),
+                               "length": self.episode_length}
+            obs = self.reset()
+        return obs, np.float32(reward), terminated, truncated, info
 
     def close(self):
-        self.envs.close()
-
-
-def step_game(game: Game, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-    """Step the Game, observations into `obs_out`; the rest by env index for the ended episodes."""
-    obs_out[:], rewards, terminated, truncated, info = game.step(actions)
-    final_obs, episodes = {}, {}
-    for i in np.flatnonzero(info.get("_final_obs", ())):
-        final_obs[i] = info["final_obs"][i]
-        episodes[i] = {"return": float(info["episode"]["return"][i]),
-                       "length": int(info["episode"]["length"][i])}
-    return rewards, terminated, truncated, final_obs, episodes
+        self.env.close()
 
 
 class Worker:
-    """Runs a Game (a batch of envs) in a child process or, with `in_process=True`, here. The
-    trainer sends actions through a `multiprocessing` pipe; the child answers with rewards, flags
-    and episode statistics, and writes observations into shared memory (`obs_view`). Children are
-    forked, ignore SIGINT (the trainer decides how to stop) and exit when its pipe end closes."""
+    """Runs several Games in a (forked) child process, so that games play on several cores. The
+    trainer sends actions through a pipe; the child answers with rewards, flags and the ended
+    episodes. Observations, the one large array, skip the pipe: the child writes them into shared
+    memory (`obs_view`), which the trainer reads as a tensor without a copy. `GuardedWorker` (below
+    the banner) adds what long runs need: a child that fails is reported, none outlives the run."""
 
-    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray, in_process: bool,
-                 inherited_trainer_ends: list):
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
-        self.in_process = in_process
-        if in_process:
-            self.game = Game(env_id, seed, len(obs_view))
-            obs_view[:] = self.game.reset()
-            return
         self.trainer_end, child_end = multiprocessing.Pipe()
-        context = multiprocessing.get_context("fork")
-        self.process = context.Process(
-            target=Worker.child_main, name=f"{SCRIPT}-worker-{index}", daemon=True,
-            args=(child_end, [self.trainer_end, *inherited_trainer_ends], env_id, seed, obs_view))
+        self.process = multiprocessing.get_context("fork").Process(
+            target=self.child_loop, args=(child_end, env_id, seed, obs_view),
+            name=f"{SCRIPT}-worker-{index}", daemon=True)
         self.process.start()
         child_end.close()
-        self.receive()  # the child's first answer comes once its Game is reset
+        self.receive()  # the child's first answer comes once its Games are reset
+
+    def start_games(self, env_id: str, seed: int, obs_view: np.ndarray) -> list:
+        """Game i of this worker is seeded with seed + i; first observations into `obs_view`."""
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+        obs_view[:] = [game.reset() for game in games]
+        return games
 
     @staticmethod
-    def child_main(conn, trainer_ends, env_id, seed, obs_view):
-        """The loop of the child process: step the Game on each command until told to stop."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # Closing the copies of the trainer's pipe ends makes recv() fail once the trainer is gone.
-        for end in trainer_ends:
-            end.close()
-        try:
-            game = Game(env_id, seed, len(obs_view))
-            obs_view[:] = game.reset()
-            conn.send(("ok", None))
-            while True:
-                command, actions = conn.recv()
-                if command == "close":
-                    break
-                conn.send(("ok", step_game(game, actions, obs_view)))
-        except (EOFError, BrokenPipeError, KeyboardInterrupt):
-            pass  # the trainer is gone or stopping: just exit
-        except Exception as error:
-            try:
-                conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
-        finally:
-            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
+        """Step each Game, observations into `obs_out`. Returns rewards and end flags as arrays, and
+        the ended episodes' final observations and statistics by game index."""
+        rewards = np.zeros(len(games), dtype=np.float32)
+        terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
+        final_obs, episodes = {}, {}
+        for i, game in enumerate(games):
+            obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(actions[i])
+            if "episode" in info:
+                final_obs[i], episodes[i] = info["final_obs"], info["episode"]
+        return rewards, terminated, truncated, final_obs, episodes
+
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+        """The child process: start the Games, then step them on each command until told to stop."""
+        games = self.start_games(env_id, seed, obs_view)
+        conn.send(("ok", None))
+        while (command := conn.recv())[0] == "step":
+            conn.send(("ok", self.step_games(games, command[1], obs_view)))
 
     def send_step(self, actions: np.ndarray):
-        if self.in_process:
-            self.actions = actions
-            return
-        try:
-            self.trainer_end.send(("step", actions))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
+        self.trainer_end.send(("step", actions))
 
-    def receive(self, timeout: float = 120.0) -> tuple:
-        """The result of the last `send_step`, or why the child died (it waits on both at once)."""
-        if self.in_process:
-            return step_game(self.game, self.actions, self.obs_view)
-        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
-        if self.trainer_end in ready:
-            try:
-                status, payload = self.trainer_end.recv()
-            except (EOFError, OSError):
-                status, payload = "dead", None
-            if status == "ok":
-                return payload
-            if status == "error":
-                raise WorkerError(f"worker {self.index} ({self.env_id}) failed: {payload}")
-        name = f"worker {self.index} ({self.env_id})"
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
-        self.process.join(timeout=1.0)
-        code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
-        raise WorkerError(f"{name} died ({how})")
+    def receive(self) -> tuple:
+        """The result of the last `send_step`; the observations are in `obs_view` by then."""
+        return self.trainer_end.recv()[1]
 
     def close(self):
-        if self.in_process:
-            self.game.close()
-            return
-        try:
-            self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
-        self.trainer_end.close()
-        self.process.join(timeout=2.0)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self.trainer_end.send(("close", None))
+        self.process.join()
 
 
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
-    """A linear layer with orthogonal weights and zero biases (37 details, #2: hidden layers get
-    gain sqrt(2), the policy output 0.01 so that all actions start equally likely, the value 1)."""
+    """A linear layer with orthogonal weights of the given gain and zero biases (37 details, #2: the
+    hidden layers get sqrt(2), the policy output 0.01 so that all actions start equally likely, the
+    value output 1)."""
     linear = nn.Linear(in_size, out_size)
     nn.init.orthogonal_(linear.weight, gain)
     nn.init.zeros_(linear.bias)
     return linear
 
 
+class RunningMeanStd:
+    """Running mean and variance of the observations, per entry, to normalise them (37 details,
+    continuous-action #6; SB3's VecNormalize): a pole's angle of 0.05 rad beside a one-hot action of
+    1 would barely move a recurrent cell's gates. `mean`, `var`, `count`: the Model's buffers (saved
+    with the weights), updated in place by the parallel formula of Chan et al. (1979), exact for
+    any split of the data: with delta = mean_b - mean_a and n = n_a + n_b,
+
+        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
+    """
+
+    def __init__(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
+        self.mean, self.var, self.count = mean, var, count
+
+    @torch.no_grad()
+    def update(self, batch: torch.Tensor, pooled=lambda moments, new: (moments, new)):
+        """Merge a batch [n, size] in: its moments (mean, mean square) and size, which `pooled`
+        makes those of every rank's batch (a hook for torchrun: every rank keeps the same)."""
+        size, count, new = batch.shape[-1], self.count.clone(), len(batch)
+        moments, new = pooled(batch.mean(0).tolist() + batch.square().mean(0).tolist(), new)
+        batch_mean = torch.tensor(moments[:size], device=batch.device)
+        batch_var = torch.tensor(moments[size:], device=batch.device) - batch_mean ** 2
+        delta, total, batch_var = batch_mean - self.mean, count + new, batch_var.clamp(min=0)
+        self.mean += delta * new / total
+        self.var.copy_((self.var * count + batch_var * new + delta ** 2 * count * new / total)
+                       / total)
+        self.count += new
+
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
+        """(obs - mean) / std, clipped to [-10, 10] (37 details, continuous-action #7)."""
+        return ((obs - self.mean) / (self.var + 1e-8).sqrt()).clamp(-10.0, 10.0)
+
+
+def encode_inputs(model: "Model", obs, prev_actions=None, prev_rewards=None, new_episode=None):
+    """The model's input rows x_t = [o_t, one-hot(a_(t-1)), r_(t-1)]: what the policy saw, did and
+    got; zeros for both at an episode's first step (`new_episode`; all rows without prev_actions).
+    o_t is normalised when the row is made, and stored so: the rollout and training read the same
+    rows, whatever the statistics do later."""
+    if model.config.normalize_observations:
+        obs = model.obs_stats.normalize(obs)
+    if not model.config.prev_action_reward:
+        return obs
+    if prev_actions is None:
+        return torch.cat([obs, obs.new_zeros(obs.shape[0], model.num_actions + 1)], dim=1)
+    keep = 1.0 - new_episode.float()
+    one_hot = nn.functional.one_hot(prev_actions, model.num_actions).float() * keep[:, None]
+    return torch.cat([obs, one_hot, (prev_rewards.float() * keep)[:, None]], dim=1)
+
+
+def episode_windows(inputs: torch.Tensor, starts: torch.Tensor, k: int) -> tuple:
+    """The window of row t, rows t-k+1..t, gathered by index from rows stored once each, and the
+    window mask: which of them belong to row t's episode (not those before its start).
+    [L, B, D] -> (windows [L-k+1, B, k, D] of rows k-1..L-1, oldest first; mask [L-k+1, B, k])."""
+    length = inputs.shape[0]
+    rows = torch.arange(k - 1, length, device=inputs.device)
+    frames = rows[:, None] - (k - 1) + torch.arange(k, device=inputs.device)  # [T, k]
+    # The row where the episode of each row began: the latest start at or before it (0 when
+    # none is in sight: the episode began before these rows, and all of them belong to it).
+    start_rows = torch.arange(length, device=inputs.device)[:, None] * starts.long()
+    episode_start = start_rows.cummax(dim=0).values[rows]  # [T, B]
+    in_episode = frames[:, None, :] >= episode_start[:, :, None]  # [T, B, k]
+    return inputs[frames].transpose(1, 2), in_episode
+
+
+def stack_frames(inputs: torch.Tensor, starts: torch.Tensor, k: int) -> torch.Tensor:
+    """Framestack by index: row t's window side by side, the rows before its episode zeroed.
+    [L, B, D] -> [L-k+1, B, k*D]."""
+    windows, in_episode = episode_windows(inputs, starts, k)
+    return (windows * in_episode[..., None]).flatten(2)
+
+
+class GRUGate(nn.Module):
+    """GTrXL's gate (Parisotto et al., 2020, eq. 8-11), joining a sublayer's output y to the stream
+    x as a GRU joins its input to its state: r = sigmoid(W_r y + U_r x),
+    z = sigmoid(W_z y + U_z x - b_g), h = tanh(W_g y + U_g (r * x)), out = (1 - z) x + z h.
+    With b_g = 2, z starts near sigmoid(-2) = 0.12: the block starts close to the identity."""
+
+    def __init__(self, size: int, gate_bias: float = 2.0):
+        super().__init__()
+        self.from_output = layer(size, 3 * size, 1.0)  # W_r, W_z, W_g (their biases: zero)
+        self.from_stream = layer(size, 2 * size, 1.0)  # U_r, U_z
+        self.from_reset_stream = layer(size, size, 1.0)  # U_g
+        self.gate_bias = gate_bias
+
+    def forward(self, stream: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        reset_y, update_y, candidate_y = self.from_output(output).chunk(3, dim=-1)
+        reset_x, update_x = self.from_stream(stream).chunk(2, dim=-1)
+        reset = torch.sigmoid(reset_y + reset_x)
+        update = torch.sigmoid(update_y + update_x - self.gate_bias)
+        candidate = torch.tanh(candidate_y + self.from_reset_stream(reset * stream))
+        return (1 - update) * stream + update * candidate
+
+
+class GatedAttention(nn.Module):
+    """--memory attention: one block of the Gated Transformer-XL (GTrXL: Parisotto et al., 2020)
+    for each step over its window of the last M steps (`episode_windows`), the step the query.
+    Causal; never across an episode start (the window mask); positions relative to the step (a
+    sinusoid of each key's distance back); pre-LayerNorm, and a `GRUGate` where a Transformer adds
+    the residual, so the block starts near the identity. Training re-encodes the stored raw rows
+    with the current weights, so the ratio before the first gradient step is exactly 1 (CleanRL's
+    ppo_trxl caches each layer's states instead: stale after the first epoch)."""
+
+    def __init__(self, size: int, span: int, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.attention_norm, self.mlp_norm = nn.LayerNorm(size), nn.LayerNorm(size)
+        self.query, self.key_value = layer(size, size, 1.0), layer(size, 2 * size, 1.0)
+        self.attention_output = layer(size, size, 1.0)
+        self.mlp = nn.Sequential(layer(size, size), nn.ReLU(), layer(size, size, 1.0))
+        self.attention_gate, self.mlp_gate = GRUGate(size), GRUGate(size)
+        # Slot j lies span - 1 - j steps back: fixed sinusoids of that distance (Vaswani et al.).
+        distance = torch.arange(span - 1, -1, -1.0)[:, None]
+        frequency = torch.exp(torch.arange(0, size, 2) * (-math.log(10_000.0) / size))
+        codes = torch.zeros(span, size)
+        codes[:, 0::2], codes[:, 1::2] = (distance * frequency).sin(), (distance * frequency).cos()
+        self.register_buffer("distance_codes", codes, persistent=False)
+
+    def forward(self, windows: torch.Tensor, in_episode: torch.Tensor) -> torch.Tensor:
+        """windows [T, B, M, F] (oldest first), in_episode [T, B, M] -> features [T, B, F] of the
+        newest step of each window."""
+        *batch, span, size = windows.shape
+        heads, head_size = self.heads, size // self.heads
+        stream = windows[..., -1, :]  # the newest step: the query, and the residual stream
+        normed = self.attention_norm(windows) + self.distance_codes
+        query = self.query(normed[..., -1, :]).view(*batch, heads, 1, head_size)
+        keys, values = self.key_value(normed).view(*batch, span, 2, heads, head_size).unbind(-3)
+        keys, values = keys.transpose(-2, -3), values.transpose(-2, -3)  # [T, B, heads, M, d]
+        scores = query @ keys.transpose(-1, -2) / math.sqrt(head_size)  # [T, B, heads, 1, M]
+        scores = scores.masked_fill(~in_episode[..., None, None, :], float("-inf"))
+        attended = (scores.softmax(-1) @ values).reshape(*batch, size)
+        stream = self.attention_gate(stream, torch.relu(self.attention_output(attended)))
+        return self.mlp_gate(stream, torch.relu(self.mlp(self.mlp_norm(stream))))
+
+
 class Model(nn.Module):
     """The actor-critic with memory. Its methods take steps of a batch of envs: `inputs` [L, B, D]
-    (rows x_t = [o_t, one-hot(a_(t-1)), r_(t-1)], zeros for both at an episode's first step),
-    `starts` [L, B] (1 where an episode starts) and `memory`, the state before the first row
-    ((h, c) for lstm, (h,) for gru, () otherwise). The same `remember` serves one step of the
-    rollout and a whole sequence in training, so both compute the same numbers.
+    (rows of `encode_inputs`), `starts` [L, B] (1 where an episode starts) and `memory`, the
+    recurrent state before the first row ((h, c) for lstm, (h,) for gru, () otherwise).
     - none: x_t into separate 64-64 tanh MLPs for actor and critic (37 details, #13);
     - framestack: the last k rows side by side (`stack_frames`, by index) into the same MLPs;
     - lstm, gru: linear+tanh encoder, one recurrent cell, linear heads (CleanRL's LSTM PPO);
@@ -301,7 +433,7 @@ class Model(nn.Module):
     def __init__(self, obs_size: int, num_actions: int, config: Config):
         super().__init__()
         self.kind, self.num_actions, self.config = config.memory, num_actions, config
-        # Observation normalisation (`encode_inputs`): running statistics, saved with the weights.
+        # The observations' running statistics (`obs_stats`), saved with the weights.
         self.register_buffer("obs_mean", torch.zeros(obs_size))
         self.register_buffer("obs_var", torch.ones(obs_size))
         self.register_buffer("obs_count", torch.tensor(1e-4))
@@ -318,7 +450,7 @@ class Model(nn.Module):
                                        nn.Tanh(), layer(hidden, num_actions, gain=0.01))
             return
         self.encoder = nn.Sequential(layer(self.input_size, hidden), nn.Tanh())
-        if self.kind == "attention":  # (below the banner, with the GTrXL details)
+        if self.kind == "attention":
             self.attention = GatedAttention(hidden, self.window)
         else:  # LSTM details, #1: orthogonal weights, zero biases
             self.cell = (nn.LSTMCell if self.kind == "lstm" else nn.GRUCell)(hidden, hidden)
@@ -327,15 +459,22 @@ class Model(nn.Module):
         self.critic = layer(hidden, 1, gain=1.0)
         self.actor = layer(hidden, num_actions, gain=0.01)
 
+    @property
+    def obs_stats(self) -> RunningMeanStd:  # (a view of the three buffers)
+        return RunningMeanStd(self.obs_mean, self.obs_var, self.obs_count)
+
     def initial_memory(self, batch: int, device=None) -> tuple:
         """LSTM details, #2: the recurrent state starts at zero."""
         count = {"lstm": 2, "gru": 1}.get(self.kind, 0)
         return tuple(torch.zeros(batch, self.cell.hidden_size, device=device) for _ in range(count))
 
     def remember(self, inputs: torch.Tensor, starts: torch.Tensor, memory: tuple):
-        """The features of each step: [L, B, D] rows -> ([L', B, F], the memory after the last)."""
+        """The features of each step, [L, B, D] rows -> ([L', B, F], the memory after the last row).
+        The rollout passes one step (and its window) and the state the games carry; training passes
+        a whole rollout and the state at its start (`Rollout.first_memory`): the cell, stepped along
+        the same rows from the same state, rebuilds the same states, now with a gradient."""
         if self.kind in ("none", "framestack"):  # none: a window of 1
-            return stack_frames(inputs, starts, self.window), memory  # (below the banner)
+            return stack_frames(inputs, starts, self.window), memory
         encoded = self.encoder(inputs)
         if self.kind == "attention":  # no state: the window of raw rows is the memory
             return self.attention(*episode_windows(encoded, starts, self.window)), memory
@@ -360,8 +499,8 @@ class Model(nn.Module):
         return actions, log_prob, self.value(features[-1]), memory
 
     def evaluate_actions(self, inputs, starts, memory, actions):
-        """For the loss, over sequences of steps: log-probabilities of the taken actions [T, B]
-        under the current policy, the policy's entropy and the values, flattened time-major."""
+        """For the loss, over sequences: the log-probabilities of the taken actions [T, B] under the
+        current policy, its entropy and the values, flattened time-major."""
         features, _ = self.remember(inputs, starts, memory)
         log_probs = torch.log_softmax(self.actor(features), dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
@@ -373,15 +512,27 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
 
     rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
-    the last step. `dones[t] = 1` when the episode ended at step t, after action t, by termination
-    or truncation (for a truncated one the trainer has already added gamma * V(final obs) to
-    rewards[t]: cutting the sum there is right for both). Returns the advantages [T, N].
+    the last step. Returns the advantages [T, N]; the value targets are advantages + values. (With
+    memory, the state s_t is what the model knows at step t: the history h_t.)
 
-    Readers who know CleanRL: its `dones[t]` means "obs[t] starts a new episode", one step later
-    than here; the two give the same advantages.
+    The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
+    expected. With the TD error delta_t = r_t + gamma V(s_{t+1}) - V(s_t), the k-step estimators
 
-        $\\delta_t = r_t + \\gamma V(s_{t+1}) (1 - d_t) - V(s_t)$
-        $\\hat{A}_t = \\delta_t + \\gamma \\lambda (1 - d_t) \\hat{A}_{t+1}$
+        A_t^(k) = sum_{l<k} gamma^l delta_{t+l} = sum_{l<k} gamma^l r_{t+l} + gamma^k V(s_{t+k})
+                                                   - V(s_t)
+
+    trade bias for variance: few steps lean on V (biased wherever V is wrong), many on the sampled
+    rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
+    (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
+
+        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}$
+        $\\hat{A}_t = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
+
+    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
+    (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
+    the sum there; for a truncation the trainer has already added gamma * V(final observation) to
+    rewards[t] (the episode would have gone on). Readers who know CleanRL: its `dones[t]` means
+    "obs[t] starts a new episode", one step later than here; the advantages are the same.
     """
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(last_value)
@@ -399,7 +550,7 @@ class Minibatch(typing.NamedTuple):
     """Whole env sequences of the rollout (LSTM details, #4: minibatches split the envs, not the
     steps, so that the memory can be rebuilt); per-step fields flattened to [T * B], time-major."""
 
-    inputs: torch.Tensor  # [window - 1 + T, B, input_size]: the model's inputs, raw
+    inputs: torch.Tensor  # [window - 1 + T, B, input_size]: the model's input rows
     starts: torch.Tensor  # [window - 1 + T, B]: 1 where a step starts an episode
     memory: tuple  # the recurrent state at the start of the rollout, [B, hidden] each
     actions: torch.Tensor  # [T, B], the actions taken
@@ -409,25 +560,95 @@ class Minibatch(typing.NamedTuple):
     old_values: torch.Tensor  # the values then
 
 
-class Trainer:
-    """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, clipped step."""
+class Rollout:
+    """The rollout buffer, on the training device: what training needs to see each step as the
+    rollout saw it. The input rows, stored once per step (row `history` + step) with their start
+    flags, and `first_memory`, the recurrent state the games carried into the rollout (LSTM details,
+    #5), from which `Model.remember` rebuilds every later one. For framestack and attention, the
+    first `history` = window - 1 rows are the previous rollout's last ones. A sequence is one env's
+    whole rollout, never padded: no step is masked out of the losses."""
 
-    def __init__(self, model: Model, config: Config, ranks: Optional["Ranks"] = None):
-        self.model, self.config, self.ranks = model, config, ranks
-        # Adam (written out below the banner) with eps 1e-5 instead of 1e-8 (37 details, #3).
+    def __init__(self, config: Config, model: Model, device: torch.device):
+        self.history = model.window - 1
+        rows = (self.history + config.num_steps, config.num_envs)
+        self.inputs = torch.zeros(rows + (model.input_size,), device=device)
+        self.starts = torch.zeros(rows, device=device)
+        shape = (config.num_steps, config.num_envs)
+        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(shape, device=device)
+        self.values = torch.zeros(shape, device=device)
+        self.rewards = torch.zeros(shape, device=device)
+        self.dones = torch.zeros(shape, device=device)
+        self.observations = torch.zeros(shape + model.obs_mean.shape, device=device)
+        self.first_memory = ()
+
+    def keep_history(self):
+        """Move the last `history` rows to the front, before a new rollout overwrites the rest."""
+        if self.history:
+            self.inputs[:self.history] = self.inputs[-self.history:].clone()
+            self.starts[:self.history] = self.starts[-self.history:].clone()
+
+    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
+        """The whole sequences of the envs `indices`, in time order, with their start states."""
+        return Minibatch(self.inputs[:, indices], self.starts[:, indices],
+                         tuple(state[indices] for state in self.first_memory),
+                         self.actions[:, indices], self.log_probs[:, indices].flatten(),
+                         advantages[:, indices].flatten(), returns[:, indices].flatten(),
+                         self.values[:, indices].flatten())
+
+
+def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tensor,
+                new_start: torch.Tensor, memory: tuple) -> torch.Tensor:
+    """V of the step after rollout row `row` (input `new_input`, start flags `new_start`), seen by
+    `memory`, the state after that row, and for framestack and attention by the window up to it:
+    the value to bootstrap from, after a rollout or a time-limit cut."""
+    earlier = slice(row + 2 - model.window, row + 1)
+    features, _ = model.remember(torch.cat([rollout.inputs[earlier], new_input[None]]),
+                                 torch.cat([rollout.starts[earlier], new_start[None]]), memory)
+    return model.value(features[-1])
+
+
+class Trainer:
+    """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
+    bonus, and a gradient step with the global gradient norm clipped."""
+
+    def __init__(self, model: Model, config: Config):
+        self.model, self.config = model, config
+        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3). `Adam` (below the banner) computes
+        # what torch.optim.Adam does, without the second torch.optim's first use costs.
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss and its diagnostics, from what the current weights make of a minibatch."""
+        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
+        it (all [batch]): the negated objective, to be minimised.
+
+        Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
+        gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
+        rho_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. At
+        theta = theta_old its gradient is the plain policy gradient; further away it lets one
+        rollout serve several epochs, but the estimate worsens as the policies part (other states
+        would be visited; rho_t's variance grows). With memory, s_t is the history h_t: pi_theta
+        must see the one pi_old saw, so training rebuilds the rollout's memory exactly.
+        Why clip: TRPO bounds the move with a KL constraint; PPO (paper, eq. 7) stops rewarding it
+        beyond [1 - eps, 1 + eps]:
+
+            L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
+
+        Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
+        rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
+        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
+        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
+        smaller one, and its gradient pulls back.
+        """
         # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
         # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
         advantages = minibatch.advantages
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
-        # The clipped surrogate (PPO paper, eq. 7): the probability ratio r = pi_new / pi_old may
-        # move the objective only within [1 - clip, 1 + clip]; the max of the two negated terms is
-        # the pessimistic (min) bound of the paper. 37 details, #8.
+        # The clipped surrogate (37 details, #8), negated to be minimised: the max of the negated
+        # terms is the min of the paper's.
         log_ratio = new_log_probs - minibatch.old_log_probs
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
@@ -447,8 +668,9 @@ class Trainer:
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
 
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator (r - 1) - log r
-        # (Schulman, "Approximating KL divergence", 2020) and the share of samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL with the low-variance estimator
+        # (rho - 1) - log rho (Schulman, "Approximating KL divergence", 2020) and the share of
+        # samples the clip touched.
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
             clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
@@ -457,7 +679,8 @@ class Trainer:
         return loss, stats
 
     def compute_loss(self, minibatch: Minibatch):
-        """The loss of a minibatch under the current weights (what --compile compiles)."""
+        """The loss of a minibatch under the current weights (what --compile compiles): the
+        memory rebuilt from the rollout's start state, over each env's whole sequence."""
         new_log_probs, entropy, new_values = self.model.evaluate_actions(
             minibatch.inputs, minibatch.starts, minibatch.memory, minibatch.actions)
         return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
@@ -467,8 +690,7 @@ class Trainer:
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
-        if self.ranks is not None:
-            self.ranks.average_gradients(self.model.parameters())
+        self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
         # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
         # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -477,10 +699,19 @@ class Trainer:
         return stats
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """How much of the returns' variance the value function predicts: 1 perfectly, 0 not at all (a
+    diagnostic, 37 details, #12). A constant return leaves nothing to explain: 0."""
+    returns_variance = returns.var().item()
+    unexplained = (returns - values).var().item()
+    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
+
+
 class Main:
     """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
-    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps per game,
-    carrying its memory; GAE; update_epochs passes in minibatches of whole env sequences."""
+    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps in each
+    game, carrying its memory; GAE; update_epochs passes over whole env sequences in minibatches.
+    The `RunGuard` (below the banner) sets up, logs, saves and stops, so `train` reads as PPO."""
 
     def __init__(self, config: Config):
         self.config, self.guard = config, None
@@ -489,12 +720,13 @@ class Main:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
 
     def train(self) -> dict:
-        self.guard = guard = RunGuard(self)  # settings, torchrun, seeds, Ctrl-C, failures, saving
-        with guard:
-            config = self.config  # (the checkpoint's settings and the kind's defaults)
-            self.model = Model(guard.obs_size, guard.num_actions, config)
-            self.trainer = Trainer(self.model.to(guard.device), config, guard.ranks)
-            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
+        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+        with self.guard as guard:
+            config = self.config  # (with the kind's defaults; the checkpoint's, when resuming)
+            self.model = Model(guard.obs_size, guard.num_actions, config).to(guard.device)
+            self.trainer = Trainer(self.model, config)
+            self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
+            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
             self.games = guard.start_games()  # Workers; observations through shared memory
             self.rollout = Rollout(config, self.model, guard.device)
             # Every game starts an episode: zero memory, no previous action or reward.
@@ -513,22 +745,23 @@ class Main:
 
     def anneal_learning_rate(self):
         """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts, so that a resumed run continues it."""
-        config = self.config
-        if config.anneal_lr:
-            progress = self.global_step / config.total_timesteps
-            self.trainer.optimizer.lr = config.learning_rate * max(0.0, 1.0 - progress)
+        end, set by the step at which each rollout starts. A resumed run with another total anneals
+        from the rate it had to 0 over the steps left (`anneal_from`, set by the guard)."""
+        if self.config.anneal_lr:
+            start_step, start_rate = self.anneal_from
+            progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
+            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self):
-        """Play num_steps steps in every game with the current policy, filling the rollout buffer
-        (inputs in rows history + step). `self.memory` carries the games' recurrent states."""
+        """Play num_steps steps in every game with the current policy, filling the rollout buffer.
+        `self.memory` carries the games' recurrent states from step to step, rollout to rollout."""
         config, rollout, model, device = self.config, self.rollout, self.model, self.guard.device
         rollout.keep_history()
         rollout.first_memory = self.memory  # LSTM details, #5: training starts from this state
         ended = []  # (global step, statistics) of the episodes that end
         for step in range(config.num_steps):
-            if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
+            if self.guard.stop_at_once():  # Ctrl-C
                 break
             row = rollout.history + step
             rollout.inputs[row], rollout.starts[row] = self.next_input, self.next_start
@@ -556,10 +789,11 @@ class Main:
             # The next input: the new observation, this action and reward (zeros if it restarted).
             self.next_input = encode_inputs(model, observations, actions, raw_rewards, done)
             self.next_start, self.memory = done, memory
-            self.global_step += config.num_envs * self.guard.ranks.world_size
+            self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
-        update_observation_statistics(model, rollout.observations, self.guard.ranks)
+        if config.normalize_observations:  # (hook: under torchrun, those of all ranks' batches)
+            model.obs_stats.update(rollout.observations.flatten(0, 1), self.guard.ranks.pooled)
 
     def estimate_advantages(self):
         """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
@@ -574,7 +808,7 @@ class Main:
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
         """update_epochs passes over the rollout in minibatches of whole env sequences (shuffled
         envs), one gradient step each. Returns the mean diagnostics as floats."""
-        config, ranks = self.config, self.guard.ranks
+        config = self.config
         envs_per_minibatch = config.num_envs // config.num_minibatches
         totals, count = {}, 0
         for epoch in range(config.update_epochs):
@@ -586,64 +820,130 @@ class Main:
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach()
                 count += 1
-            # Early stop (37 details, #12, optional): a policy already far from the one that played
-            # stops learning from its data (under torchrun by the ranks' mean KL: all stop alike).
-            kl = stats["approx_kl"].item() if config.target_kl is not None else None
-            if kl is not None and ranks.mean([kl])[0] > config.target_kl:
+            # Early stop (37 details, #12, optional): once the policy has moved too far from the one
+            # that collected the data, further epochs would only push it beyond the trust region.
+            if (config.target_kl is not None
+                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
                 break
         stats = {key: (value / count).item() for key, value in totals.items()}
         stats["explained_variance"] = explained_variance(self.rollout.values, returns)
-        # Under torchrun, the means over the ranks: rank 0 logs them, all check the same for NaN.
-        return dict(zip(stats, ranks.mean(list(stats.values()))))
+        return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# engines the games run on, the rollout buffer, a faster Adam and compilation; `Ranks` (torchrun);
-# `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the
-# checks of the user's input; the command line.
+# engines the games run on (guarded child processes), a faster Adam and compilation; `Ranks`
+# (torchrun); `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and
+# video; the checks of the user's input; the command line.
+
+import copy
+import datetime
+import hashlib
+import json
+import multiprocessing.connection
+import os
+import random
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
 
-# ----- The games' engine --------------------------------------------------------------------------
+# ----- Engines: the games, fast and guarded -------------------------------------------------------
 
 
-# The partially observed versions of classic-control games this script registers with gymnasium:
-# id -> (the full game, the entries of its observation that stay; the velocities go).
-STATELESS_ENVS = {
-    "StatelessCartPole-v1": ("CartPole-v1", [0, 2]),  # cart position, pole angle
-    "StatelessAcrobot-v1": ("Acrobot-v1", [0, 1, 2, 3]),  # cos and sin of both angles
-}
+class GuardedWorker(Worker):
+    """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
+    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
+    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
+    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
+    reported at once (WorkerError) instead of blocking `recv()` forever."""
+
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
+                 inherited_trainer_ends: list):
+        self.inherited_trainer_ends = inherited_trainer_ends
+        super().__init__(index, env_id, seed, obs_view)
+
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for end in [self.trainer_end, *self.inherited_trainer_ends]:
+            end.close()
+        try:
+            super().child_loop(conn, env_id, seed, obs_view)
+        except (EOFError, BrokenPipeError, KeyboardInterrupt):
+            pass  # the trainer is gone or stopping: just exit
+        except Exception as error:
+            try:
+                conn.send(("error", f"{type(error).__name__}: {error}"))
+            except (BrokenPipeError, OSError):
+                pass
+        finally:
+            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+
+    def send_step(self, actions: np.ndarray):
+        try:
+            super().send_step(actions)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child is gone: receive() finds out how, and says so
+
+    def receive(self, timeout: float = 120.0) -> tuple:
+        name = f"worker {self.index} ({self.env_id})"
+        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if self.trainer_end in ready:
+            try:
+                status, payload = self.trainer_end.recv()
+            except (EOFError, OSError):
+                status, payload = "dead", None
+            if status == "ok":
+                return payload
+            if status == "error":
+                raise WorkerError(f"{name} failed: {payload}")
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        signal_name = signal.Signals(-code).name if code and code < 0 else None
+        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        raise WorkerError(f"{name} died ({how})")
+
+    def close(self):
+        try:
+            self.trainer_end.send(("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self.trainer_end.close()
+        self.process.join(timeout=2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
-class StatelessObservation(gym.ObservationWrapper):
-    """An env with some entries of its observation vector removed: `keep` lists those that stay.
-    Stateless CartPole keeps the cart's position and the pole's angle (entries 0 and 2) and hides
-    both velocities; stateless Acrobot keeps the cosines and sines of its two angles and hides the
-    two angular velocities. Registered under the ids of STATELESS_ENVS."""
+class InProcessWorker(Worker):
+    """--num-workers 0: the Games of a Worker, played in this process (no child, no pipe)."""
 
-    def __init__(self, env: gym.Env, keep: list):
-        super().__init__(env)
-        self.keep = list(keep)
-        space = env.observation_space
-        self.observation_space = gym.spaces.Box(space.low[self.keep], space.high[self.keep],
-                                                dtype=space.dtype)
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
+                 inherited_trainer_ends: list):
+        self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
+        self.games = self.start_games(env_id, seed, obs_view)
 
-    def observation(self, observation):
-        return observation[self.keep]
+    def send_step(self, actions: np.ndarray):
+        self.actions = actions
 
+    def receive(self) -> tuple:
+        return self.step_games(self.games, self.actions, self.obs_view)
 
-def make_stateless_env(base: str, keep: list, **kwargs) -> gym.Env:
-    return StatelessObservation(gym.make(base, **kwargs), keep)
+    @staticmethod
+    def close_games(games: list):
+        for game in games:
+            game.close()
 
-
-def register_stateless_envs():
-    """Register STATELESS_ENVS, once (called by whatever makes or checks an env: importing this
-    file changes nothing). The full game's time limit stays (CartPole: 500 steps)."""
-    for env_id, (base, keep) in STATELESS_ENVS.items():
-        if env_id not in gym.registry:
-            gym.register(env_id, entry_point=make_stateless_env,
-                         kwargs={"base": base, "keep": keep})
+    def close(self):
+        self.close_games(self.games)
 
 
 class StepResult(typing.NamedTuple):
@@ -657,8 +957,8 @@ class StepResult(typing.NamedTuple):
 
 
 class WorkerPool:
-    """All the games: num_workers Workers with a Game of num_envs / num_workers envs each (or one
-    Game in this process with --num-workers 0). Their observations land in one [num_envs, obs_size]
+    """All the games: num_workers GuardedWorkers with num_envs / num_workers Games each (or one
+    InProcessWorker with --num-workers 0). Their observations land in one [num_envs, obs_size]
     array (shared memory when there are child processes) that the trainer reads as a tensor without
     copying. Env i is seeded with first_seed + i."""
 
@@ -671,14 +971,14 @@ class WorkerPool:
         else:
             self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
             self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
+        worker_class = GuardedWorker if config.num_workers else InProcessWorker
         games_per_worker = config.num_envs // max(config.num_workers, 1)
         try:
             for index in range(max(config.num_workers, 1)):
                 first = index * games_per_worker
-                worker = Worker(index, config.env, first_seed + first,
-                                self.obs_array[first:first + games_per_worker],
-                                in_process=config.num_workers == 0,
-                                inherited_trainer_ends=[w.trainer_end for w in self.workers])
+                worker = worker_class(index, config.env, first_seed + first,
+                                      self.obs_array[first:first + games_per_worker],
+                                      [w.trainer_end for w in self.workers if w.trainer_end])
                 worker.first = first
                 self.workers.append(worker)
         except BaseException:
@@ -719,206 +1019,16 @@ class WorkerPool:
             self.shared_obs = None
 
 
-# ----- The rollout buffer, Adam and compilation ---------------------------------------------------
-
-
-class Rollout:
-    """The rollout buffer, on the training device. The model's inputs are stored once per step
-    (rows `history` + step), with their start flags; for framestack and attention, the first
-    `history` = window - 1 rows hold the last steps of the rollout before, so that the first steps'
-    windows can be gathered (`episode_windows`). The rest is one entry per step and env (the raw
-    observations too, for their statistics), and `first_memory` the recurrent state at the
-    rollout's start. No sequence is ever padded: each is one env's whole rollout, num_steps long,
-    so no step needs to be masked out of the losses or the advantage normalisation."""
-
-    def __init__(self, config: Config, model: Model, device: torch.device):
-        self.history = model.window - 1
-        rows = (self.history + config.num_steps, config.num_envs)
-        self.inputs = torch.zeros(rows + (model.input_size,), device=device)
-        self.starts = torch.zeros(rows, device=device)
-        shape = (config.num_steps, config.num_envs)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.rewards = torch.zeros(shape, device=device)
-        self.dones = torch.zeros(shape, device=device)
-        self.observations = torch.zeros(shape + model.obs_mean.shape, device=device)
-        self.first_memory = ()
-
-    def keep_history(self):
-        """Move the last `history` rows to the front, before a new rollout overwrites the rest."""
-        if self.history:
-            self.inputs[:self.history] = self.inputs[-self.history:].clone()
-            self.starts[:self.history] = self.starts[-self.history:].clone()
-
-    def minibatch(self, envs: torch.Tensor, advantages, returns) -> Minibatch:
-        """The whole sequences of the envs `envs`, in time order."""
-        return Minibatch(self.inputs[:, envs], self.starts[:, envs],
-                         tuple(state[envs] for state in self.first_memory),
-                         self.actions[:, envs], self.log_probs[:, envs].flatten(),
-                         advantages[:, envs].flatten(), returns[:, envs].flatten(),
-                         self.values[:, envs].flatten())
-
-
-def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tensor,
-                new_start: torch.Tensor, memory: tuple) -> torch.Tensor:
-    """V of a step that follows rollout row `row`, of input `new_input` (start flags `new_start`),
-    seen by `memory` (the state after that row) and, for framestack, by the k - 1 rows up to it."""
-    earlier = slice(row + 2 - model.window, row + 1)
-    features, _ = model.remember(torch.cat([rollout.inputs[earlier], new_input[None]]),
-                                 torch.cat([rollout.starts[earlier], new_start[None]]), memory)
-    return model.value(features[-1])
-
-
-# ----- The model's inputs, and framestack by index -----------------------------------------------
-
-
-def encode_inputs(model: Model, obs, prev_actions=None, prev_rewards=None, new_episode=None):
-    """x_t = [o_t, one-hot(a_(t-1)), r_(t-1)]: what the policy did and how that went. An
-    episode's first step (`new_episode`; all rows without `prev_actions`) sees zeros for both.
-    o_t is normalised (`update_observation_statistics`) when the rows are made, and stored so: the
-    rollout and training read the same rows, whatever the statistics do later."""
-    if model.config.normalize_observations:
-        obs = ((obs - model.obs_mean) / (model.obs_var + 1e-8).sqrt()).clamp(-10.0, 10.0)
-    if not model.config.prev_action_reward:
-        return obs
-    if prev_actions is None:
-        return torch.cat([obs, obs.new_zeros(obs.shape[0], model.num_actions + 1)], dim=1)
-    keep = 1.0 - new_episode.float()
-    one_hot = nn.functional.one_hot(prev_actions, model.num_actions).float() * keep[:, None]
-    return torch.cat([obs, one_hot, (prev_rewards.float() * keep)[:, None]], dim=1)
-
-
-def episode_windows(inputs: torch.Tensor, starts: torch.Tensor, k: int) -> tuple:
-    """The window of row t is rows t-k+1..t, gathered by index from the rows stored once each (no
-    window is ever stored), with a mask of those that belong to row t's episode (the rows before
-    its start do not). [L, B, D] -> (windows [L-k+1, B, k, D] of rows k-1..L-1, mask [L-k+1, B, k]),
-    oldest row first."""
-    length = inputs.shape[0]
-    rows = torch.arange(k - 1, length, device=inputs.device)
-    frames = rows[:, None] - (k - 1) + torch.arange(k, device=inputs.device)  # [T, k]
-    # The row where the episode of each row began: the latest start at or before it (0 when
-    # none is in sight: the episode began before these rows, and all of them belong to it).
-    start_rows = torch.arange(length, device=inputs.device)[:, None] * starts.long()
-    episode_start = start_rows.cummax(dim=0).values[rows]  # [T, B]
-    in_episode = frames[:, None, :] >= episode_start[:, :, None]  # [T, B, k]
-    return inputs[frames].transpose(1, 2), in_episode
-
-
-@torch.no_grad()
-def update_observation_statistics(model: Model, observations: torch.Tensor, ranks: "Ranks"):
-    """Observation normalisation (37 details, continuous-action #4; SB3's VecNormalize): fold the
-    rollout's observations [T, N, size] into the running mean and variance that `encode_inputs`
-    scales by (the parallel update of Chan et al., 1979). A small observation (a pole's angle of
-    0.05 rad beside a one-hot action of 1) would otherwise barely move a recurrent cell's gates.
-    Under torchrun, the ranks' moments are averaged first: every rank keeps the same statistics."""
-    if not model.config.normalize_observations:
-        return
-    flat, size = observations.flatten(0, 1), observations.shape[-1]
-    moments = ranks.mean(flat.mean(0).tolist() + flat.square().mean(0).tolist())
-    batch_mean = torch.tensor(moments[:size], device=flat.device)
-    batch_var = (torch.tensor(moments[size:], device=flat.device) - batch_mean ** 2).clamp(min=0)
-    count, new = model.obs_count.clone(), len(flat) * ranks.world_size
-    delta = batch_mean - model.obs_mean
-    model.obs_mean += delta * new / (count + new)
-    model.obs_var.copy_((model.obs_var * count + batch_var * new
-                         + delta ** 2 * count * new / (count + new)) / (count + new))
-    model.obs_count += new
-
-
-def stack_frames(inputs: torch.Tensor, starts: torch.Tensor, k: int) -> torch.Tensor:
-    """Framestack by index: the stack of row t is its window (`episode_windows`) side by side, the
-    rows before the start of row t's episode zeroed. [L, B, D] -> [L-k+1, B, k*D]."""
-    windows, in_episode = episode_windows(inputs, starts, k)
-    return (windows * in_episode[..., None]).flatten(2)
-
-
-# ----- Attention: a gated Transformer-XL block ----------------------------------------------------
-
-
-class GatedAttention(nn.Module):
-    """--memory attention: one block of the Gated Transformer-XL (GTrXL: Parisotto et al., 2020,
-    "Stabilizing Transformers for Reinforcement Learning"), run for each step over its window of
-    the last M steps. The step is the query; the keys and values are the steps of its window.
-    - Causal: a window holds the step and the M - 1 before it, never a later one.
-    - Never across an episode start: keys before the start of the step's episode are masked out
-      (the step itself always remains), so an episode sees nothing of the one before.
-    - Positions relative to the step (Transformer-XL's relative positions): each key carries a
-      sinusoid of its distance back from the query, within the episode (earlier keys are masked).
-    - Pre-LayerNorm (GTrXL's "identity map reordering"): each sublayer reads LayerNorm(x), and its
-      output (after a ReLU) joins the stream x through a gate: an identity path runs through.
-    - A GRU-style gate (`GRUGate`) whose bias starts the block near the identity: early in training
-      the policy is close to a memoryless one, and attention comes in as it pays.
-    What is stored per step: the raw input row x_t (the rollout's `inputs`, before any layer),
-    re-encoded in training with the current weights: the ratio before the first gradient step is
-    exactly 1.
-    Transformer-XL and CleanRL's ppo_trxl instead cache each layer's hidden states at rollout time:
-    cheaper, but stale after the first epoch (the weights that made them have moved)."""
-
-    def __init__(self, size: int, span: int, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.attention_norm, self.mlp_norm = nn.LayerNorm(size), nn.LayerNorm(size)
-        self.query, self.key_value = layer(size, size, 1.0), layer(size, 2 * size, 1.0)
-        self.attention_output = layer(size, size, 1.0)
-        self.mlp = nn.Sequential(layer(size, size), nn.ReLU(), layer(size, size, 1.0))
-        self.attention_gate, self.mlp_gate = GRUGate(size), GRUGate(size)
-        # Slot j of a window lies span - 1 - j steps back: the sinusoids of Vaswani et al. (2017)
-        # for those distances, fixed (not learned, not saved).
-        distance = torch.arange(span - 1, -1, -1.0)[:, None]
-        frequency = torch.exp(torch.arange(0, size, 2) * (-math.log(10_000.0) / size))
-        codes = torch.zeros(span, size)
-        codes[:, 0::2], codes[:, 1::2] = (distance * frequency).sin(), (distance * frequency).cos()
-        self.register_buffer("distance_codes", codes, persistent=False)
-
-    def forward(self, windows: torch.Tensor, in_episode: torch.Tensor) -> torch.Tensor:
-        """windows [T, B, M, F] (oldest first), in_episode [T, B, M] -> features [T, B, F] of the
-        newest step of each window."""
-        *batch, span, size = windows.shape
-        heads, head_size = self.heads, size // self.heads
-        stream = windows[..., -1, :]  # the newest step: the query, and the residual stream
-        normed = self.attention_norm(windows) + self.distance_codes
-        query = self.query(normed[..., -1, :]).view(*batch, heads, 1, head_size)
-        keys, values = self.key_value(normed).view(*batch, span, 2, heads, head_size).unbind(-3)
-        keys, values = keys.transpose(-2, -3), values.transpose(-2, -3)  # [T, B, heads, M, d]
-        scores = query @ keys.transpose(-1, -2) / math.sqrt(head_size)  # [T, B, heads, 1, M]
-        scores = scores.masked_fill(~in_episode[..., None, None, :], float("-inf"))
-        attended = (scores.softmax(-1) @ values).reshape(*batch, size)
-        stream = self.attention_gate(stream, torch.relu(self.attention_output(attended)))
-        return self.mlp_gate(stream, torch.relu(self.mlp(self.mlp_norm(stream))))
-
-
-class GRUGate(nn.Module):
-    """GTrXL's gate (Parisotto et al., 2020, eq. 8-11) joining a sublayer's output y to the stream
-    x as a GRU joins its input to its state:
-        r = sigmoid(W_r y + U_r x),  z = sigmoid(W_z y + U_z x - b_g),
-        h = tanh(W_g y + U_g (r * x)),  out = (1 - z) * x + z * h.
-    With b_g = 2, z starts near sigmoid(-2) = 0.12: the block starts close to the identity."""
-
-    def __init__(self, size: int, gate_bias: float = 2.0):
-        super().__init__()
-        self.from_output = layer(size, 3 * size, 1.0)  # W_r, W_z, W_g (their biases: zero)
-        self.from_stream = layer(size, 2 * size, 1.0)  # U_r, U_z
-        self.from_reset_stream = layer(size, size, 1.0)  # U_g
-        self.gate_bias = gate_bias
-
-    def forward(self, stream: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        reset_y, update_y, candidate_y = self.from_output(output).chunk(3, dim=-1)
-        reset_x, update_x = self.from_stream(stream).chunk(2, dim=-1)
-        reset = torch.sigmoid(reset_y + reset_x)
-        update = torch.sigmoid(update_y + update_x - self.gate_bias)
-        candidate = torch.tanh(candidate_y + self.from_reset_stream(reset * stream))
-        return (1 - update) * stream + update * candidate
+# ----- Adam and compilation -----------------------------------------------------------------------
 
 
 class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines.
-
-    Why not torch.optim.Adam: constructing the first torch.optim optimizer imports torch._dynamo,
-    which costs about a second, a share of the time this script needs to solve a small game.
-    tests/ check this class against torch.optim.Adam step by step. Adam keeps running averages of
-    each gradient (m) and of its square (v), corrects their bias towards 0 in the first steps, and
-    moves each weight by lr * m_hat / (sqrt(v_hat) + eps).
+    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
+    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
+    the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
+    torch.optim.Adam: its first use imports torch._dynamo, 1.2 s measured with torch 2.14, a share
+    of the time this script needs to solve stateless CartPole (benchmarks/README.md). tests/ check
+    this class against torch.optim.Adam step by step.
     """
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
@@ -961,11 +1071,12 @@ class Adam:
             mine.copy_(theirs)
 
 
-def compile_learner(trainer: Trainer):
+def compile_learner(main: Main):
     """torch.compile the loss (its backward is compiled with it). The recurrent kinds step a cell
     along the sequence in a Python loop, which compiles into one long graph: seconds that small
     games never earn back, hence off by default. A machine that cannot compile falls back to eager
     at the first minibatch, with a one-line warning."""
+    trainer = main.trainer
     eager_loss = trainer.compute_loss
     compiled_loss = torch.compile(eager_loss)
 
@@ -986,33 +1097,21 @@ def compile_learner(trainer: Trainer):
 
 
 class RankError(RuntimeError):
-    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ at
-    the end."""
+    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ."""
 
 
 class Ranks:
-    """The processes ("ranks") of one run started by torchrun, and the few things they do together.
+    """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
-    `torchrun --nproc_per_node N ppo_memory.py ...` (or any torch.distributed launcher, over
-    several machines too) starts N copies of this script and tells each its rank and the world size
-    in the environment (RANK, WORLD_SIZE, LOCAL_RANK). This is data parallelism, as in CleanRL's
-    multi-GPU PPO (ppo_atari_multigpu.py): each rank plays its own --num-envs games (env i of rank r
-    gets seed + r * num_envs + i), collects its own rollout and splits it into its own
-    --num-minibatches; but before each gradient step the ranks average their gradients, so all take
-    the same step and hold the same weights.
-    - The global batch of an update is world_size x num_envs x num_steps steps. --total-timesteps,
-      the learning-rate schedule and --checkpoint-every count the steps of all ranks.
-    - A gradient step sees world_size x (num_envs x num_steps / num_minibatches) samples, and an
-      update still takes update_epochs x num_minibatches steps.
-    - To keep the hyperparameters of a 1-GPU run equivalent on N GPUs, divide --num-envs by N: the
-      same global batch, minibatches and steps, in 1/N of the time. Keeping --num-envs makes the
-      batch and the minibatches N times larger, and the run N times fewer updates.
-    Every decision to stop (Ctrl-C, --target-return, --target-kl, a non-finite loss) is taken from
-    values all ranks share, so no rank waits in a collective the others skipped. Only rank 0 writes
-    files.
-
-    Without torchrun it is a world of one: no process group, and every method returns at once, so
-    a run alone is exactly what it would be without this class.
+    torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
+    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
+    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
+    minibatches, but the ranks average their gradients before each step, so all take the same step
+    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
+    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
+    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
+    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
+    world of one, and every method returns at once.
     """
 
     def __init__(self, device: torch.device):
@@ -1029,8 +1128,7 @@ class Ranks:
                                  f"{gpus}: lower --nproc_per_node")
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-        try:
-            # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP.
+        try:  # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         except (RuntimeError, ValueError) as error:
             raise UsageError(f"WORLD_SIZE is set, but joining the other ranks failed "
@@ -1038,8 +1136,8 @@ class Ranks:
                              ) from None
 
     def collective(self, operation, *args):
-        """Run one torch.distributed operation. When another rank has died, gloo raises here (its
-        connection closed): this rank then stops with one line (RankError), not a traceback."""
+        """One torch.distributed operation. When another rank has died, gloo raises here: this
+        rank then stops with one line (RankError), not a traceback."""
         try:
             return operation(*args)
         except RuntimeError as error:
@@ -1049,11 +1147,8 @@ class Ranks:
                             ) from None
 
     def average_gradients(self, parameters):
-        """Replace each gradient with its mean over the ranks: one all-reduce of all gradients
-        flattened into one vector. Why not DistributedDataParallel: DDP overlaps the exchange with
-        the backward pass, which pays for big networks; here one small message per minibatch is as
-        fast, keeps the averaging in sight in Trainer.gradient_step (before the clip, so every rank
-        clips the same global gradient), and fits the hand-written Adam, which reads each .grad."""
+        """Each gradient becomes its mean over the ranks, in one all-reduce of all of them. (DDP
+        would overlap this with the backward pass, which pays only for big networks.)"""
         if not self.distributed:
             return
         grads = [p.grad for p in parameters]
@@ -1062,6 +1157,11 @@ class Ranks:
         flat /= self.world_size
         for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(part.view_as(grad))
+
+    def pooled(self, moments: list, count: int) -> tuple:
+        """A batch's moments and size -> their means over the ranks and the size of all the ranks'
+        batches (as given alone): every rank keeps the same observation statistics."""
+        return self.mean(moments), count * self.world_size
 
     def mean(self, values: list) -> list:
         """Each number's mean over the ranks."""
@@ -1101,8 +1201,7 @@ class Ranks:
                 self.collective(dist.broadcast, tensor, 0)
 
     def check_same(self, tensors):
-        """Raise RankError on every rank unless every rank holds bitwise the same tensors as rank 0
-        (the weights at the end of a run: a difference means the ranks trained other networks)."""
+        """Raise RankError unless every rank holds bitwise rank 0's tensors (the final weights)."""
         if not self.distributed:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
@@ -1117,7 +1216,7 @@ class Ranks:
             dist.destroy_process_group()
 
 
-# ----- RunGuard: set-up, Ctrl-C, failures, logging and the summary --------------------------------
+# ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
 
 
 class WorkerError(RuntimeError):
@@ -1137,27 +1236,28 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 class RunGuard:
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-
-    On entry it reads --resume's checkpoint, checks the settings and the env, joins the other ranks
-    under torchrun, makes the run dir and seeds every generator. In the loop it records finished
-    episodes, stops on Ctrl-C or SIGTERM, logs each update, saves checkpoints when due, and stops
-    on a non-finite loss with the weights of the update before. On exit, whatever ended the run,
-    it closes the games, saves the last checkpoint and writes summary.json (a failure is raised
-    again afterwards), then gives back what it changed in the process: the signal handlers and
-    torch's thread count, so that a notebook is left as it was.
-    """
+    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
+    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
+    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
+    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        self.main, self.config = main, main.config
+        self.main, self.stop_signal, self.previous_handlers = main, None, {}
         self.previous_threads = torch.get_num_threads()
-        self.previous_handlers = {}
-        self.stop_signal = None
-        self.ranks = self.games = self.writer = None
-        self.updates = 0
-        self.summary = None
+        self.ranks = self.games = self.log = self.summary = None
+
+    @property
+    def config(self) -> Config:
+        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
+        return self.main.config
+
+    solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
-        self.catch_stop_signals()
+        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
+            for signum in (signal.SIGINT, signal.SIGTERM):  # only noted: the loop stops cleanly
+                self.previous_handlers[signum] = signal.signal(
+                    signum, lambda number, frame: setattr(self, "stop_signal", number))
         try:
             self.setup()
         except BaseException:
@@ -1165,36 +1265,20 @@ class RunGuard:
             raise
         return self
 
-    def catch_stop_signals(self):
-        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step (under torchrun,
-        at the end of the rollout, all ranks together) and stops cleanly. (Signal handlers can only
-        be set from the main thread; in another thread the run cannot be interrupted this way.)"""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum, frame):
-            self.stop_signal = signum
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous_handlers[signum] = signal.signal(signum, request_stop)
-
     def setup(self):
-        config = self.config
-        self.checkpoint = load_checkpoint(config.resume) if config.resume else None
-        if self.checkpoint is not None:
-            config = resumed_config(self.checkpoint, config)
-        self.start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
-        config = with_kind_defaults(config)  # the fields left at None, from --memory
+        start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
+        check_settings(with_kind_defaults(self.config))
+        self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
+        config = resumed_config(self.checkpoint, self.config)  # (and the kind's defaults)
         check_settings(config)
-        device = pick_device(config.device)
         self.obs_size, self.num_actions = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
-        self.ranks = Ranks(device)
+        self.ranks = Ranks(pick_device(config.device))
         self.device = self.ranks.device
+        self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
-        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config))
-        config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        self.main.config = self.config = config
+        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
+        self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
         # Reproducibility: every random draw of the trainer comes from torch's seeded generator
         # (action sampling, minibatch shuffling), and each game from its own seeded generator.
         # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
@@ -1205,89 +1289,70 @@ class RunGuard:
         # One thread is fastest for networks this small: splitting a 64-unit layer over threads
         # costs more than it saves (benchmarks/README.md). Given back when the run ends.
         torch.set_num_threads(1)
-        self.recent_returns, self.recent_lengths = deque(maxlen=100), deque(maxlen=100)
-        self.episodes = 0
-        self.solved_step = self.solved_seconds = None
-        self.interrupted = False
-        self.first_update_end = None  # (time, step) once the first update is done
-        self.last_print = 0.0
-        self.checkpoint_path = self.run_dir / "checkpoint.pt"
+        self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
+        self.log = RunLog(self, start_time)
 
     def prepare_learner(self) -> int:
         """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
         and compile (--compile). Returns the global step to start from."""
-        main, config = self.main, self.config
-        main.global_step = 0
+        main = self.main
+        main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
+            main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
+                                                  main.trainer.optimizer.lr)
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
-        # The ranks start from the same weights, rank 0's; averaging the gradients keeps them so.
-        self.ranks.copy_from_rank_0(main.model.state_dict().values())
-        if config.compile:
-            compile_learner(main.trainer)
+        self.log.start()  # the start-up block
+        self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
+        if main.config.compile:
+            compile_learner(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
-        self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None
         return main.global_step
 
-    def start_games(self) -> WorkerPool:
-        """The games of this rank: game i of rank r is seeded with seed + r * num_envs + i."""
-        config = self.config
-        first_seed = config.seed + self.ranks.rank * config.num_envs
-        self.games = WorkerPool(config, self.obs_size, first_seed, self.device)
+    def start_games(self) -> WorkerPool:  # game i of rank r is seeded with seed + r * num_envs + i
+        first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
+        self.games = WorkerPool(self.config, self.obs_size, first_seed, self.device)
         return self.games
 
-    def stop_at_once(self) -> bool:
-        """Ctrl-C alone stops a rollout at once; under torchrun all ranks stop together after it."""
+    def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
         return self.stop_signal is not None and not self.ranks.distributed
 
+    def mean(self, value: float) -> float:  # over the ranks (the value itself without torchrun)
+        return self.ranks.mean([value])[0]
+
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout, and stop (raise Interrupted) if asked to.
-        Under torchrun, this is where the ranks meet once per rollout: each learns the episodes of
-        every rank and whether any rank was asked to stop. All record the same episodes in the same
-        order (by step, then by rank), so they take the same --target-return decision."""
+        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
+        Under torchrun the ranks meet here once per rollout: each learns every rank's episodes, in
+        the same order (by step, then rank), and whether any was asked to stop, so all take the
+        same decisions."""
         shared = self.ranks.gather((ended, self.stop_signal))
-        episodes = sorted((episode for rank_ended, _ in shared for episode in rank_ended),
-                          key=lambda step_and_episode: step_and_episode[0])
-        for step, episode in episodes:
-            self.record_episode(episode, step)
+        for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
+                                    key=lambda step_and_episode: step_and_episode[0]):
+            self.log.record_episode(episode, step)
         signals = [signum for _, signum in shared if signum is not None]
         if signals:
             self.stop_signal = signals[0]
             raise Interrupted
 
-    def record_episode(self, episode: dict, step: int):
-        self.episodes += 1
-        self.recent_returns.append(episode["return"])
-        self.recent_lengths.append(episode["length"])
-        if self.writer is not None:
-            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
-            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
-        target = self.config.target_return
-        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
-                and np.mean(self.recent_returns) >= target):
-            self.solved_step = step
-            self.solved_seconds = time.perf_counter() - self.start_time
-
     def after_update(self, stats: dict):
-        """Stop on a non-finite loss; else count the update, log it, and save when due."""
-        main = self.main
+        """Average the diagnostics over the ranks and stop if one is not finite; else log the
+        update and save when due."""
+        main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
             raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
                                 f"({values}); stopped with the weights of the update before")
         self.updates += 1
-        if self.first_update_end is None:
-            self.first_update_end = (time.perf_counter(), main.global_step)
-        self.log_update(stats)
+        self.log.update(stats)
         if main.global_step - self.last_checkpoint_step >= self.config.checkpoint_every:
             save_checkpoint(learner_state(main), self.checkpoint_path, self.ranks)
             self.last_checkpoint_step = main.global_step
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
     def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games, and unless the error is one a run cannot save from (bad input, a bug),
+        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
         save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
         failure is raised again once everything is saved."""
         try:
@@ -1295,7 +1360,6 @@ class RunGuard:
                 self.games.close()
             if kind is not None and not issubclass(kind, (Interrupted, *FAILURES)):
                 return False
-            self.interrupted = kind is Interrupted
             failure = error if isinstance(error, FAILURES) else None
             if isinstance(error, (NonFiniteLoss, RankError)):  # the update may be half done
                 restore_learner(self.main, self.last_good_learner)
@@ -1305,10 +1369,7 @@ class RunGuard:
                 except RankError as mismatch:
                     failure = mismatch
             save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
-            self.summary = self.write_summary()
-            if self.writer is not None:
-                self.writer.close()
-                self.print_progress(final=True)
+            self.summary = self.log.finish(kind is Interrupted, failure is not None)
             if failure is not None and failure is not error:
                 raise failure
             return failure is None  # a failure propagates; Ctrl-C does not
@@ -1324,72 +1385,142 @@ class RunGuard:
         if self.ranks is not None:
             self.ranks.close()
 
+
+class RunLog:
+    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
+    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
+    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+
+    def __init__(self, guard: RunGuard, start_time: float):
+        self.guard, self.main, self.start_time = guard, guard.main, start_time
+        resumed = guard.checkpoint is not None
+        saved = guard.checkpoint.get("log", {}) if resumed else {}
+        self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
+        self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
+        self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
+        self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
+        self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
+        self.last_print = 0.0
+        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+
+    def say(self, line: str):
+        if self.writer is not None:  # rank 0 speaks for all
+            print(line, flush=True)
+
+    def start(self):
+        """What runs where, what differs from the defaults, and how far it goes."""
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
+        batch = guard.steps_per_step * config.num_steps
+        self.last_step = step + max(0, math.ceil((config.total_timesteps - step) / batch)) * batch
+        rounded = (f" ({config.total_timesteps:,} rounded up to whole rollouts of {batch:,})"
+                   if self.last_step != config.total_timesteps else "")
+        self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
+                 f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
+        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+        defaults.update(KIND_DEFAULTS[config.memory])  # (a per-kind field: its kind's value)
+        changed = [(name.replace("_", "-"), getattr(config, name)) for name in defaults
+                   if name != "run_dir" and getattr(config, name) != defaults[name]]
+        if changed:
+            self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
+                                              if isinstance(value, bool) else f"--{flag} {value}"
+                                              for flag, value in changed))
+        if self.resumed_at_step is not None:
+            rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
+            self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
+                     f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+        if config.compile:
+            self.say("compiling the model and the update (torch.compile, once per run; this can "
+                     "take a minute)...")
+
+    def record_episode(self, episode: dict, step: int):
+        self.episodes += 1
+        self.recent_returns.append(episode["return"])
+        self.recent_lengths.append(episode["length"])
+        if self.writer is not None:
+            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
+            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
+        target = self.guard.config.target_return
+        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
+                and np.mean(self.recent_returns) >= target):
+            self.solved_step, self.solved_seconds = step, self.seconds()
+
+    def update(self, stats: dict):
+        step, writer = self.main.global_step, self.writer
+        if self.first_update_end is None:
+            self.first_update_end = (time.perf_counter(), step)
+        if writer is None:
+            return
+        for key, value in stats.items():
+            writer.add_scalar(f"losses/{key}", value, step)
+        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        if self.steady_speed() is not None:
+            writer.add_scalar("charts/steps_per_second", self.steady_speed(), step)
+        if time.perf_counter() - self.last_print >= 1.0:
+            self.print_progress()
+
+    def seconds(self) -> float:
+        """Wall-clock seconds of the whole run: the parts it was resumed from, and this one."""
+        return self.earlier_seconds + time.perf_counter() - self.start_time
+
     def steady_speed(self) -> Optional[float]:
-        """Steps per second since the end of the first update (which holds one-time costs)."""
+        """Steps per second since this process's first update (which holds one-time costs)."""
         if self.first_update_end is None:
             return None
         end_time, end_step = self.first_update_end
         elapsed, steps = time.perf_counter() - end_time, self.main.global_step - end_step
         return steps / elapsed if elapsed > 0 and steps > 0 else None
 
-    def log_update(self, stats: dict):
-        step, writer = self.main.global_step, self.writer
-        if writer is None:
-            return  # under torchrun, rank 0 logs and prints for all
-        for key, value in stats.items():
-            writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
-        speed = self.steady_speed()
-        if speed is not None:
-            writer.add_scalar("charts/steps_per_second", speed, step)
-        if time.perf_counter() - self.last_print >= 1.0:
-            self.print_progress()
-
-    def print_progress(self, final: bool = False):
-        self.last_print = time.perf_counter()
-        total, step = self.config.total_timesteps, self.main.global_step
-        speed = self.steady_speed() or step / max(self.last_print - self.start_time, 1e-9)
+    def print_progress(self):
+        self.last_print, step, total = time.perf_counter(), self.main.global_step, self.last_step
+        self.printed_step = step
+        speed = (self.steady_speed() or (step - (self.resumed_at_step or 0))
+                 / max(self.last_print - self.start_time, 1e-9))
         eta = time.strftime("%H:%M:%S", time.gmtime(max(total - step, 0) / max(speed, 1e-9)))
         mean = lambda values: f"{np.mean(values):.1f}" if values else "-"
-        print(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | {speed:,.0f} steps/s | "
-              f"eta {eta} | return {mean(self.recent_returns)} | "
-              f"length {mean(self.recent_lengths)} | updates {self.updates}"
-              + (" | done" if final else ""), flush=True)
+        self.say(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | {speed:,.0f} steps/s | "
+                 f"eta {eta} | return {mean(self.recent_returns)} | "
+                 f"length {mean(self.recent_lengths)} | updates {self.guard.updates}")
 
-    def write_summary(self) -> dict:
-        now, speed = time.perf_counter(), self.steady_speed()
+    def state(self) -> dict:
+        """What the checkpoint keeps of the log, for a resumed run to count on."""
+        return {"episodes": self.episodes, "seconds": self.seconds(),
+                "recent_returns": list(self.recent_returns),
+                "recent_lengths": list(self.recent_lengths)}
+
+    def finish(self, interrupted: bool, failed: bool) -> dict:
+        """Write summary.json, print the last progress line (once) and how the run ended."""
+        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
-            "script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
-            "steps": self.main.global_step,
-            "seconds": round(now - self.start_time, 3),
+            "script": SCRIPT, "env": config.env, "memory": config.memory, "seed": config.seed,
+            "steps": step,
+            "seconds": round(self.seconds(), 3),
             "warmup_seconds": (round(self.first_update_end[0] - self.start_time, 3)
                                if self.first_update_end else None),
-            "steps_per_second": round(speed, 1) if speed else None,
-            "episodes": self.episodes,
+            "steps_per_second": round(speed, 1) if speed else None, "episodes": self.episodes,
             "mean_return_100": float(np.mean(self.recent_returns)) if self.recent_returns else None,
-            "target_return": self.config.target_return,
-            "solved_step": self.solved_step,
+            "target_return": config.target_return, "solved_step": self.solved_step,
             "solved_seconds": (round(self.solved_seconds, 3) if self.solved_seconds is not None
-                               else None),
-            "interrupted": self.interrupted,
-            "checkpoint": str(self.checkpoint_path) if self.checkpoint_path.exists() else None,
-            "world_size": self.ranks.world_size,
-        }
-        if self.ranks.rank != 0:
+                               else None), "interrupted": interrupted,
+            "checkpoint": str(guard.checkpoint_path) if guard.checkpoint_path.exists() else None,
+            "world_size": guard.ranks.world_size, "resumed_at_step": self.resumed_at_step}
+        if self.writer is None:
             return summary  # rank 0 writes it
         try:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            path.write_text(json.dumps(summary, indent=2) + "\n")
         except OSError as error:
             print(f"warning: could not write summary.json ({error})", file=sys.stderr)
+        self.writer.close()
+        if self.printed_step != step:
+            self.print_progress()
+        how = (f"reached the target return {config.target_return:g} at step {self.solved_step:,}"
+               if self.solved_step is not None else
+               f"{'interrupted' if interrupted else 'finished'} at step {step:,}")
+        after = datetime.timedelta(seconds=round(self.seconds()))  # h:mm:ss
+        if not failed:
+            self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
+                     + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """1 when the value function predicts the returns perfectly, 0 when not at all. A constant
-    return (e.g. all episodes alike) leaves nothing to explain: 0."""
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
 
 
 def make_writer(run_dir: Path, config: Config):
@@ -1400,6 +1531,8 @@ def make_writer(run_dir: Path, config: Config):
     rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
     return writer
+
+
 
 
 # ----- Checkpoints --------------------------------------------------------------------------------
@@ -1415,6 +1548,7 @@ def learner_state(main: Main) -> dict:
         "config": dataclasses.asdict(main.config),
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
         "global_step": main.global_step, "updates": guard.updates,
+        "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
     }
 
@@ -1428,7 +1562,21 @@ def restore_learner(main: Main, state: dict):
                          f"{str(error).splitlines()[-1].strip()}") from None
     main.trainer.optimizer.load_state_dict(state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
+    main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
+
+
+def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
+    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
+    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
+    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
+    never jumps; a new --learning-rate starts there."""
+    saved = checkpoint["config"]
+    if config.learning_rate != saved["learning_rate"]:
+        return step, config.learning_rate
+    if config.total_timesteps != saved["total_timesteps"] and saved["anneal_lr"]:
+        return step, rate
+    return tuple(checkpoint.get("anneal_from", (0, saved["learning_rate"])))
 
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
@@ -1448,10 +1596,20 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
         print(f"warning: could not write {path} ({reason}); {kept}", file=sys.stderr)
 
 
-def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+def find_checkpoint(path: str) -> Path:
+    """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
+    if Path(path).is_dir():
+        if not (Path(path) / "checkpoint.pt").is_file():
+            raise UsageError(f"run folder {path} holds no checkpoint.pt")
+        return Path(path) / "checkpoint.pt"
     if not Path(path).is_file():
         raise UsageError(f"checkpoint {path} not found")
+    return Path(path)
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+    path = find_checkpoint(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -1462,6 +1620,7 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
+    checkpoint["path"] = str(path)
     return checkpoint
 
 
@@ -1470,21 +1629,23 @@ NETWORK_FIELDS = ("env", "hidden_size", "memory", "frame_stack", "attention_span
                   "prev_action_reward", "normalize_observations")
 
 
-def resumed_config(checkpoint: dict, given: Config) -> Config:
+def resumed_config(checkpoint: Optional[dict], given: Config) -> Config:
     """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). A different env
-    or network (NETWORK_FIELDS: what the weights were made for) is refused."""
+    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    checkpoint's folder unless given. A different env or network is refused. Without a checkpoint,
+    the given settings, with the --memory kind's values for the fields left at None."""
+    if checkpoint is None:
+        return with_kind_defaults(given)
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
-    config = Config(**saved)
-    for f in fields:
-        value = getattr(given, f.name)
-        if value != f.default:
-            if f.name in NETWORK_FIELDS and value != saved.get(f.name):
-                raise UsageError(f"the checkpoint was trained with --{f.name.replace('_', '-')} "
-                                 f"{saved.get(f.name)}, not {value}")
-            config = dataclasses.replace(config, **{f.name: value})
-    return config
+    saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    changed = {f.name: getattr(given, f.name) for f in fields
+               if getattr(given, f.name) != f.default}
+    for name in NETWORK_FIELDS:
+        if name in changed and changed[name] != saved.get(name):
+            raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
+                             f"{saved.get(name)}, not {changed[name]}")
+    return Config(**{**saved, **changed})
 
 
 # ----- Evaluation and video -----------------------------------------------------------------------
@@ -1495,21 +1656,18 @@ def evaluate_checkpoint(given: Config) -> dict:
     """--eval: play --eval-episodes games with a checkpoint's policy and report the return. The
     memory is carried from step to step as in training: the recurrent state (zero at an episode's
     start), or for framestack and attention a window of the last rows with their start flags."""
+    check_settings(with_kind_defaults(given))
     checkpoint = load_checkpoint(given.eval)
-    config = with_kind_defaults(resumed_config(checkpoint, given))
-    check_settings(config)
-    if config.eval_episodes <= 0:
-        raise UsageError("--eval-episodes must be positive")
+    config = resumed_config(checkpoint, given)
     obs_size, num_actions = inspect_env(config.env)
     model = Model(obs_size, num_actions, config)
     model.load_state_dict(checkpoint["model"])
     torch.manual_seed(config.seed)
-    run_dir = Path(given.run_dir) if given.run_dir else Path(config.eval).parent
-    game = Game(config.env, config.seed, num_envs=1,
-                render_mode="rgb_array" if config.video else None)
-    video = None
-    memory = model.initial_memory(1)
-    next_input, next_start = encode_inputs(model, torch.from_numpy(game.reset())), torch.ones(1)
+    run_dir = Path(config.run_dir)
+    game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
+    video, memory = None, model.initial_memory(1)
+    next_input = encode_inputs(model, torch.from_numpy(game.reset())[None])
+    next_start = torch.ones(1)
     inputs, starts = torch.zeros(model.window, 1, model.input_size), torch.zeros(model.window, 1)
     returns = []
     try:
@@ -1519,20 +1677,20 @@ def evaluate_checkpoint(given: Config) -> dict:
             inputs = torch.cat([inputs[1:], next_input[None]])
             starts = torch.cat([starts[1:], next_start[None]])
             actions, _, _, memory = model.act(inputs, starts, memory, greedy=config.greedy)
-            obs, rewards, terminated, truncated, info = game.step(actions.numpy())
-            next_start = torch.from_numpy(terminated | truncated).float()
-            next_input = encode_inputs(model, torch.from_numpy(obs), actions,
-                                       torch.from_numpy(rewards), next_start)
+            obs, reward, terminated, truncated, info = game.step(actions.numpy()[0])
+            next_start = torch.tensor([float(terminated or truncated)])
+            next_input = encode_inputs(model, torch.from_numpy(obs)[None], actions,
+                                       torch.tensor([reward]), next_start)
             if "episode" in info:
-                returns.append(float(info["episode"]["return"][0]))
+                returns.append(float(info["episode"]["return"]))
     finally:
         game.close()
         if video is not None:
             video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
     how = "greedy" if config.greedy else "sampled"
-    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {len(returns)} episodes "
-          f"({how} actions)")
+    episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
+    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
     if video is not None:
         print(f"video: {run_dir / 'eval.mp4'}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
@@ -1545,10 +1703,14 @@ def write_frame(video, game: Game, path: Path):
     frame)."""
     import cv2  # only --video needs OpenCV
 
-    frame = game.render()
+    # pygame, which draws the classic-control games, would open SDL's display and sound drivers
+    # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fps = game.envs.metadata.get("render_fps", 30)
+        fps = game.env.metadata.get("render_fps", 30)
         video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps,
                                 (frame.shape[1], frame.shape[0]))
         if not video.isOpened():
@@ -1557,30 +1719,15 @@ def write_frame(video, game: Game, path: Path):
     return video
 
 
-# ----- Per-kind defaults --------------------------------------------------------------------------
+# ----- Checking the input -------------------------------------------------------------------------
 
 
-# The settings that differ between the kinds of memory: Config's fields left at None take these.
-# The MLP kinds keep separate actor and critic networks. lstm, gru and attention share their encoder
-# and memory between actor and critic (CleanRL's LSTM PPO), so the value loss (returns up to ~50)
-# pulls on the features the policy reads too: at the usual weight of 0.5, lstm and gru ended 200k
-# steps below 475 on some seeds; at 0.03 with 128 units, on none; attention at 0.03 reached 475
-# within 500k steps on seeds 1-3 (benchmarks/README.md).
-MLP_DEFAULTS = dict(learning_rate=8e-3, num_steps=32, num_minibatches=2, update_epochs=8,
-                    hidden_size=64, vf_coef=0.5)
-SHARED_CORE_DEFAULTS = dict(learning_rate=3e-3, num_steps=32, num_minibatches=4, update_epochs=8,
-                            vf_coef=0.03)
-KIND_DEFAULTS = {
-    "none": MLP_DEFAULTS,
-    "framestack": MLP_DEFAULTS,
-    "lstm": dict(SHARED_CORE_DEFAULTS, hidden_size=128),
-    "gru": dict(SHARED_CORE_DEFAULTS, hidden_size=128),
-    "attention": dict(SHARED_CORE_DEFAULTS, hidden_size=64),
-}
+RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
+          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
 
 
 def with_kind_defaults(config: Config) -> Config:
-    """The config with each field left at None set from KIND_DEFAULTS[config.memory]."""
+    """The config with each field left at None set to its --memory kind's value (KIND_DEFAULTS)."""
     if config.memory not in KIND_DEFAULTS:
         raise UsageError(f"unknown --memory {config.memory!r}: use {', '.join(MEMORY_KINDS)}")
     chosen = {name: value for name, value in KIND_DEFAULTS[config.memory].items()
@@ -1588,26 +1735,22 @@ def with_kind_defaults(config: Config) -> Config:
     return dataclasses.replace(config, **chosen)
 
 
-# ----- Checking the input -------------------------------------------------------------------------
-
-
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
-
-
 def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change."""
-    if config.memory not in MEMORY_KINDS:
-        raise UsageError(f"unknown --memory {config.memory!r}: use {', '.join(MEMORY_KINDS)}")
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                 "hidden_size", "checkpoint_every", "frame_stack", "attention_span",
-                 "learning_rate"):
-        if getattr(config, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, not "
-                             f"{getattr(config, name)}")
-    if config.num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 (games in this process) or more, not "
-                         f"{config.num_workers}")
+    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    the range its Config field names, or not finite; flags that make no sense together."""
+    for f in dataclasses.fields(Config):
+        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
+        flag = flag.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, not {value}")
+        if rule is not None and value is not None and not RANGES[rule](value):
+            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
+            raise UsageError(f"{flag} must be {wanted}, not {value}")
+    for flag in ("video", "greedy"):
+        if getattr(config, flag) and not config.eval:
+            raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
+    if config.eval and config.resume:
+        raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one")
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
@@ -1652,20 +1795,23 @@ def inspect_env(env_id: str):
     obs_space, action_space = env.observation_space, env.action_space
     env.close()
     if not isinstance(obs_space, gym.spaces.Box):
-        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; this "
-                         f"script needs a Box (a vector of numbers)")
+        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; no script "
+                         f"of this library handles {type(obs_space).__name__} observations yet")
     if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
-        raise UsageError(f"{env_id} observes images {obs_space.shape}: use ppo_atari.py, which "
-                         f"has a CNN")
+        raise UsageError(f"{env_id} observes images {obs_space.shape}; no script of this library "
+                         f"handles image observations outside Atari yet")
     obs_size = int(np.prod(obs_space.shape))
     if isinstance(action_space, gym.spaces.Discrete):
         return obs_size, int(action_space.n)
     if isinstance(action_space, gym.spaces.Box):
+        raise UsageError(f"{env_id} has a {action_space} action space (continuous): use "
+                         f"ppo_continuous.py, which has a Gaussian policy")
+    if isinstance(action_space, (gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
         raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
-                         f"Discrete actions: continuous Box actions need a Gaussian policy, "
-                         f"ppo_continuous.py")
+                         f"Discrete actions: use ppo_cartpole.py (no memory)")
     raise UsageError(f"{env_id} has a {action_space} action space; this script handles Discrete "
-                     f"actions: use ppo_cartpole.py (no memory) for MultiDiscrete and MultiBinary")
+                     f"actions, and no script of this library handles "
+                     f"{type(action_space).__name__} actions yet")
 
 
 def pick_device(name: str) -> torch.device:
@@ -1682,9 +1828,24 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def make_run_dir(config: Config) -> Path:
-    default = f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}"
+RUN_FILES = ("checkpoint.pt", "summary.json", "events.out.tfevents.*", "eval.mp4")
+
+
+def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
+    """The run dir, made and tested for writing. One that holds another run is refused, unless
+    --overwrite (which deletes that run's files first) or it is the folder being resumed."""
+    default = (f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.memory}__{config.seed}"
+               f"__{int(time.time())}")
     run_dir = Path(config.run_dir or default)
+    resumed_here = (checkpoint is not None
+                    and Path(checkpoint["path"]).parent.resolve() == run_dir.resolve())
+    earlier_run = [path for pattern in RUN_FILES for path in run_dir.glob(pattern)]
+    if earlier_run and not resumed_here:
+        if not config.overwrite:
+            raise UsageError(f"--run-dir {run_dir} already holds a run: continue it with --resume "
+                             f"{run_dir}, or choose another --run-dir (--overwrite replaces it)")
+        for path in earlier_run:
+            path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -1697,28 +1858,6 @@ def make_run_dir(config: Config) -> Path:
 
 
 # ----- The command line ---------------------------------------------------------------------------
-
-
-def parse_config(argv=None) -> Config:
-    """The command line: one flag per Config field, with its default and explanation in --help."""
-    per_kind = "; ".join(f"{kind}: " + ", ".join(f"--{name.replace('_', '-')} {value}"
-                                                 for name, value in settings.items())
-                         for kind, settings in KIND_DEFAULTS.items())
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=f"defaults per --memory kind (for the flags whose "
-                                            f"default is None): {per_kind}",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kind = next(t for t in (bool, int, float, str)
-                    if t is f.type or t in typing.get_args(f.type))
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
-                                choices=f.metadata["choices"])
-    return Config(**vars(parser.parse_args(argv)))
 
 
 def command_line(argv=None) -> int:
