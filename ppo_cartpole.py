@@ -583,6 +583,7 @@ import copy
 import datetime
 import hashlib
 import json
+import logging
 import multiprocessing.connection
 import os
 import random
@@ -870,6 +871,7 @@ def compile_learner(main: Main):
     earns back, hence off by default. Compiling the bound methods, not the modules, keeps the
     checkpoint's parameter names as they are. Both are compiled here, on inputs of the sizes they
     will see, so that a machine that cannot compile falls back to eager at once, with a warning."""
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
     networks = (model.actor, model.critic)
     eager_forwards, eager_loss = [network.forward for network in networks], trainer.compute_loss
@@ -892,6 +894,13 @@ def compile_learner(main: Main):
         trainer.compute_loss = eager_loss
         print(f"warning: torch.compile failed ({type(error).__name__}: "
               f"{str(error).splitlines()[0]}); running eagerly", file=sys.stderr)
+
+
+def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
+    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
+    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
+    reads as if something were wrong. A filter on that logger drops this one message."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
 
 
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------

@@ -841,6 +841,7 @@ import copy
 import datetime
 import hashlib
 import json
+import logging
 import multiprocessing.connection
 import os
 import random
@@ -1076,6 +1077,7 @@ def compile_learner(main: Main):
     along the sequence in a Python loop, which compiles into one long graph: seconds that small
     games never earn back, hence off by default. A machine that cannot compile falls back to eager
     at the first minibatch, with a one-line warning."""
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     trainer = main.trainer
     eager_loss = trainer.compute_loss
     compiled_loss = torch.compile(eager_loss)
@@ -1091,6 +1093,13 @@ def compile_learner(main: Main):
             return eager_loss(minibatch)
 
     trainer.compute_loss = compute_loss
+
+
+def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
+    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
+    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
+    reads as if something were wrong. A filter on that logger drops this one message."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
 
 
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
