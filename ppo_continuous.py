@@ -1,73 +1,44 @@
 """PPO for games with continuous actions (Pendulum, MuJoCo's robots and friends), in one file.
 
 Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the implementation details
-of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022:
-"37 details"; its nine details for continuous actions are "continuous #1" to "#9"), each named
-where it is implemented.
+of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37
+details", "continuous #1-#9" for continuous actions), each named where it is implemented.
 
-The idea. A policy-gradient method improves a policy with games the policy itself just played; the
-games then describe an older policy, so plain policy gradient uses each batch once. PPO reuses each
-batch ("rollout") for several epochs of minibatch steps, and keeps the new policy near the one that
-collected the data by clipping the probability ratio r_t = pi(a_t | s_t) / pi_old(a_t | s_t) in its
-objective (PPO paper, eq. 7), so that a step gains nothing by moving r_t beyond [1 - eps, 1 + eps]:
+The idea. Policy gradient improves a policy with games it just played, and can use each batch of
+them only once: afterwards the policy has changed. PPO reuses each batch ("rollout") for several
+epochs of minibatch steps, and keeps the new policy near the one that played by clipping the
+probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t) (`Trainer.ppo_loss` derives it):
+L_clip = mean_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t). The advantage A_t, how much
+better action a_t did than the value V(s_t) expected, comes from the rewards r_t by Generalized
+Advantage Estimation (`compute_gae` derives it). An action here is a vector of real numbers (a
+torque, a robot's joint forces) drawn from a Gaussian policy (`Model`); running statistics
+(`RunningMeanStd`) normalise the observations and scale the rewards.
 
-    L_clip = mean_t min( r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t )
-
-The advantage A_t says how much better action a_t did than the value V(s_t) expected. Generalized
-Advantage Estimation (GAE, Schulman et al., 2016) weighs the one-step errors of V by gamma * lambda:
-
-    A_t = sum_k (gamma lambda)^k delta_(t+k),   delta_t = r_t + gamma V(s_(t+1)) - V(s_t)
-
-Continuous actions. An action is a vector of real numbers (a torque, a robot's joint forces). The
-policy is a Gaussian: the network gives the mean mu(s) of each action dimension, and a learnt
-standard deviation sigma, the same in every state, sets how widely it explores. Observations are
-normalised by running statistics, rewards scaled by the running spread of the discounted return.
-
-Read it top to bottom: `Config`, `Game` (a batch of envs), `Worker` (Games in a child process),
-`Model`, `compute_gae` and `Trainer` (a clipped PPO step), `Main` (the loop). PPO is complete at the
-banner; below it, the machinery: running statistics, a torch Pendulum, torchrun, checkpoints, CLI.
-
-Run it:         python ppo_continuous.py           (Pendulum-v1; --help lists every flag)
-                python ppo_continuous.py --env-backend torch   (Pendulum stepped as tensors)
-                python ppo_continuous.py --env HalfCheetah-v5   (MuJoCo: pip install mujoco)
-On N GPUs:      torchrun --standalone --nproc_per_node N ppo_continuous.py   (data parallel)
+Run it:         python ppo_continuous.py   (Pendulum-v1; --env HalfCheetah-v5: pip install mujoco)
+On N GPUs:      torchrun --standalone --nproc_per_node N ppo_continuous.py  (data parallel)
 In a notebook:  from ppo_continuous import Config, Main; Main(Config()).run()   (or paste it all)
 """
 
 import argparse
-import copy
 import dataclasses
 import difflib
-import hashlib
-import json
 import math
-import multiprocessing.connection  # (binds `multiprocessing` too)
-import os
-import random
-import signal
+import multiprocessing
 import sys
-import threading
-import time
 import typing
-from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
-from pathlib import Path
 from typing import Optional
-
-import gymnasium as gym
-import numpy as np
-import torch
-import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
-import torch.nn as nn
-from gymnasium.vector import AutoresetMode
 
 SCRIPT = "ppo_continuous"
 
 
-def option(default, help):
-    """A Config field with its one-line explanation, which `--help` prints."""
-    return field(default=default, metadata={"help": help})
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+
+
+def option(default, help, check=None):
+    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
+    return field(default=default, metadata={"help": help, "check": check})
 
 
 @dataclass
@@ -76,239 +47,229 @@ class Config:
     The defaults learn Pendulum-v1 fast (benchmarks/README.md has the measurements)."""
 
     # PPO's hyperparameters.
-    learning_rate: float = option(1e-3, "Adam step size at the start, annealed linearly to 0")
+    learning_rate: float = option(1e-3, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.97, "discount factor: 0.97 looks ~33 steps ahead, about a swing-up")
-    gae_lambda: float = option(0.95, "GAE lambda: bias (0) vs variance (1) of the advantage")
-    num_minibatches: int = option(4, "minibatches each rollout is split into")
-    update_epochs: int = option(10, "passes over each rollout")
-    clip_coef: float = option(0.2, "PPO's clip range for the probability ratio")
+    gamma: float = option(0.97, "discount: 0.97 looks ~33 steps ahead, about a swing-up", "(0, 1]")
+    gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
+    num_minibatches: int = option(4, "minibatches each rollout is split into", "> 0")
+    update_epochs: int = option(10, "passes over each rollout", "> 0")
+    clip_coef: float = option(0.2, "PPO's clip range for the probability ratio", "> 0")
     clip_value_loss: bool = option(False, "clip the value update too")
-    ent_coef: float = option(0.0, "weight of the entropy bonus")
-    vf_coef: float = option(0.5, "weight of the value loss")
-    max_grad_norm: float = option(0.5, "clip the global gradient norm to this")
-    target_kl: Optional[float] = option(None, "stop an update's epochs once approx KL exceeds this")
-    hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs")
-    normalize_obs: bool = option(True, "normalise observations by running mean and std")
-    obs_clip: float = option(10.0, "clip normalised observations to +-this")
+    ent_coef: float = option(0.0, "weight of the entropy bonus", ">= 0")
+    vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
+    max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
+    target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
+    hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs", "> 0")
+    normalize_observations: bool = option(True, "normalise observations by running mean and std")
+    obs_clip: float = option(10.0, "clip normalised observations to +-this", "> 0")
     scale_rewards: bool = option(True, "divide rewards by the running std of the discounted return")
-    reward_clip: float = option(10.0, "clip scaled rewards to +-this")
+    reward_clip: float = option(10.0, "clip scaled rewards to +-this", "> 0")
 
     # Collecting experience.
     env: str = option("Pendulum-v1", "gymnasium id: Box observations, Box (continuous) actions")
-    env_backend: str = option("gym", "gym: gymnasium envs in Games | torch: Pendulum-v1 written "
-                                     "in torch, all envs in one tensor op on --device")
-    num_envs: Optional[int] = option(
-        None, "games played side by side (by each rank); default: 16 (gym), 64 (torch)")
-    num_workers: int = option(0, "child processes that run the games (0 = in this process)")
-    num_steps: Optional[int] = option(
-        None, "steps per game in each rollout; default: 64 (gym), 16 (torch)")
+    env_backend: str = option("gym", "gym: Games | torch: Pendulum-v1 as tensors on --device")
+    num_envs: Optional[int] = option(None, "games per rank; default: 16 (gym), 64 (torch)", "> 0")
+    num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
+    num_steps: Optional[int] = option(None, "rollout length; default: 64 (gym), 16 (torch)", "> 0")
 
     # The run.
-    seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i")
-    total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)")
+    seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
+    total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
     run_dir: Optional[str] = option(
         None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
+    overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
-    checkpoint_every: int = option(100_000, "save a checkpoint every this many steps, and last")
-    resume: Optional[str] = option(None, "continue training from this checkpoint")
-    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint")
-    eval_episodes: int = option(10, "games played by --eval")
+    checkpoint_every: int = option(100_000, "save a checkpoint every this many steps", "> 0")
+    resume: Optional[str] = option(None, "continue training from this checkpoint or run folder")
+    eval: Optional[str] = option(None, "play --eval-episodes games with this checkpoint or run")
+    eval_episodes: int = option(10, "games played by --eval", "> 0")
     greedy: bool = option(False, "with --eval, take the mean action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than learning Pendulum)")
 
 
+def parse_config(argv=None) -> Config:
+    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
+    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
+
+    def refuse(message: str):
+        typed = [word for word in message.split() if word.startswith("--")]
+        close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
+        hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
+        print(f"error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+    def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
+        try:
+            number = float(text.replace("_", ""))
+        except ValueError:
+            number = math.nan
+        if not number.is_integer():
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
+        return int(number)
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.error = refuse
+    for flag, f in flags.items():
+        kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
+        parser.add_argument(flag, default=f.default, help=f.metadata["help"],
+                            **({"action": argparse.BooleanOptionalAction} if kind is bool else
+                               {"type": whole_number if kind is int else kind}))
+    return Config(**vars(parser.parse_args(argv)))
+
+
+if __name__ == "__main__" and "__file__" in globals():
+    parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+
+
 class Game:
-    """A batch of `num_envs` copies of one gymnasium environment, stepped together by gymnasium's
-    SyncVectorEnv in same-step autoreset mode (env i seeded with seed + i): every value below is an
-    array over the batch. Actions come in clipped to the bounds (see Main.collect_rollout).
+    """One gymnasium env as PPO sees it (raw flat float32 observations; actions come clipped). An
+    ended episode restarts in the same step: `step` returns the next episode's first observation,
+    the ended one's last in `info["final_obs"]` (to bootstrap from if it was only truncated: cut by
+    a time limit, not ended by the game), its return and length in `info["episode"]`."""
 
-    - Observations come out flat, as raw float32 rows, whatever the Box's shape (the trainer
-      normalises them, with one set of statistics for all Games, Workers and ranks).
-    - When an episode ends, its env restarts in the same step: `step` returns the first observation
-      of the next episode, and the last one of the ended episode in `info["final_obs"]`
-      (`info["_final_obs"]` marks which rows hold one), so the trainer can still bootstrap from it
-      when the episode was only truncated (cut by a time limit, not ended by the game).
-    - It reports the raw return and length of each episode that ends in `info["episode"]`.
-    """
-
-    def __init__(self, env_id: str, seed: int, num_envs: int = 1,
-                 render_mode: Optional[str] = None):
-        # render_mode is passed only when asked for: envs without rendering need not accept it.
-        self.envs = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
-                                 vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
-                                 **({"render_mode": render_mode} if render_mode else {}))
-        self.seed, self.num_envs = seed, num_envs
-        self.action_space = self.envs.single_action_space
-        self.episode_returns = np.zeros(num_envs)
-        self.episode_lengths = np.zeros(num_envs, dtype=np.int64)
+    def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
+        # (render_mode only when asked for: envs without rendering need not accept it)
+        self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
+        self.seed, self.action_space = seed, self.env.action_space
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the envs' own random streams, so each
+        # Seed only the first reset: later restarts continue the env's own random stream, so each
         # episode differs and the whole run is still fixed by the seed.
-        obs, _ = self.envs.reset(seed=self.seed)
-        self.seed = None
-        self.episode_returns[:], self.episode_lengths[:] = 0, 0
-        return self.flat(obs)
+        obs, _ = self.env.reset(seed=self.seed)
+        self.seed, self.episode_return, self.episode_length = None, 0.0, 0
+        return np.asarray(obs, dtype=np.float32).reshape(-1)
 
-    def step(self, actions: np.ndarray):
+    def step(self, action: np.ndarray):
         space = self.action_space
-        env_actions = actions.reshape(-1, *space.shape).astype(space.dtype)
-        obs, rewards, terminated, truncated, env_info = self.envs.step(env_actions)
-        self.episode_returns += rewards
-        self.episode_lengths += 1
+        obs, reward, terminated, truncated, _ = self.env.step(
+            action.reshape(space.shape).astype(space.dtype))
+        self.episode_return += float(reward)
+        self.episode_length += 1
         info = {}
-        ended = terminated | truncated
-        if ended.any():
-            info["_final_obs"] = info["_episode"] = ended
-            info["final_obs"] = np.zeros_like(self.flat(obs))
-            info["final_obs"][ended] = self.flat(np.stack(env_info["final_obs"][ended]))
-            info["episode"] = {"return": self.episode_returns.copy(),
-                               "length": self.episode_lengths.copy()}
-            self.episode_returns[ended], self.episode_lengths[ended] = 0, 0
-        return self.flat(obs), rewards.astype(np.float32), terminated, truncated, info
-
-    @staticmethod
-    def flat(obs) -> np.ndarray:
-        """A batch of observations as float32 rows [batch, obs_size], whatever the Box's shape."""
-        obs = np.asarray(obs, dtype=np.float32)
-        return obs.reshape(len(obs), -1)
-
-    def render(self) -> np.ndarray:
-        """The picture of the first env of the batch."""
-        return self.envs.render()[0]
+        if terminated or truncated:
+            info["final_obs"] = np.asarray(obs, dtype=np.float32).reshape(-1)
+            info["episode"] = {"return": self.episode_return, "length": self.episode_length}
+            obs = self.reset()
+        return np.asarray(obs, dtype=np.float32).reshape(-1), reward, terminated, truncated, info
 
     def close(self):
-        self.envs.close()
-
-
-def step_game(game: Game, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-    """Step the Game, write the observations into `obs_out`, and return the rest: rewards, flags,
-    and by env index the final observations and the statistics of the episodes that ended."""
-    obs_out[:], rewards, terminated, truncated, info = game.step(actions)
-    final_obs, episodes = {}, {}
-    for i in np.flatnonzero(info.get("_final_obs", ())):
-        final_obs[i] = info["final_obs"][i]
-        episodes[i] = {"return": float(info["episode"]["return"][i]),
-                       "length": int(info["episode"]["length"][i])}
-    return rewards, terminated, truncated, final_obs, episodes
+        self.env.close()
 
 
 class Worker:
-    """Runs a Game (a batch of envs), either in a child process or, with `in_process=True`, here.
+    """Runs several Games in a (forked) child process, so that games play on several cores. The
+    trainer sends actions through a pipe; the child answers with rewards, flags and the ended
+    episodes. Observations, the one large array, skip the pipe: the child writes them into shared
+    memory (`obs_view`), which the trainer reads as a tensor without a copy. `GuardedWorker` (below
+    the banner) adds what long runs need: a child that fails is reported, none outlives the run."""
 
-    The trainer sends the actions through a `multiprocessing` pipe; the child steps its Game and
-    answers with rewards, flags and finished-episode statistics. Observations, the one large array,
-    skip the pipe: the child writes them into shared memory (`obs_view`, a numpy view over a
-    `multiprocessing.shared_memory` block that the trainer reads as a tensor without a copy).
-
-    Children are forked: they inherit the shared memory and start in milliseconds, instead of
-    importing torch again. A child ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-    group; the trainer decides how to stop) and exits by itself when the trainer's end of its pipe
-    closes, so a trainer that dies, however, never leaves a worker behind.
-    """
-
-    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray, in_process: bool,
-                 inherited_trainer_ends: list):
-        self.index = index
-        self.env_id = env_id
-        self.obs_view = obs_view
-        self.in_process = in_process
-        if in_process:
-            self.game = Game(env_id, seed, len(obs_view))
-            obs_view[:] = self.game.reset()
-            return
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
+        self.index, self.env_id, self.obs_view = index, env_id, obs_view
         self.trainer_end, child_end = multiprocessing.Pipe()
-        context = multiprocessing.get_context("fork")
-        self.process = context.Process(
-            target=Worker.child_main,
-            args=(child_end, [self.trainer_end, *inherited_trainer_ends], env_id, seed, obs_view),
+        self.process = multiprocessing.get_context("fork").Process(
+            target=self.child_loop, args=(child_end, env_id, seed, obs_view),
             name=f"{SCRIPT}-worker-{index}", daemon=True)
         self.process.start()
         child_end.close()
-        self.receive()  # the child's first answer comes once its Game is reset
+        self.receive()  # the child's first answer comes once its Games are reset
+
+    def start_games(self, env_id: str, seed: int, obs_view: np.ndarray) -> list:
+        """Game i of this worker is seeded with seed + i; first observations into `obs_view`."""
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+        obs_view[:] = [game.reset() for game in games]
+        return games
 
     @staticmethod
-    def child_main(conn, trainer_ends, env_id, seed, obs_view):
-        """The loop of the child process: step the Game on each command until told to stop."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # A forked child holds copies of every pipe end the trainer had. Closing the trainer's ends
-        # makes a recv() here fail with EOFError as soon as the trainer is gone.
-        for end in trainer_ends:
-            end.close()
-        try:
-            game = Game(env_id, seed, len(obs_view))
-            obs_view[:] = game.reset()
-            conn.send(("ok", None))
-            while True:
-                command, actions = conn.recv()
-                if command == "close":
-                    break
-                conn.send(("ok", step_game(game, actions, obs_view)))
-        except (EOFError, BrokenPipeError, KeyboardInterrupt):
-            pass  # the trainer is gone or stopping: just exit
-        except Exception as error:
-            try:
-                conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
-        finally:
-            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
+        """Step each Game, observations into `obs_out`. Returns rewards and end flags as arrays, and
+        the ended episodes' final observations and statistics by game index."""
+        rewards = np.zeros(len(games), dtype=np.float32)
+        terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
+        final_obs, episodes = {}, {}
+        for i, game in enumerate(games):
+            obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(actions[i])
+            if "episode" in info:
+                final_obs[i], episodes[i] = info["final_obs"], info["episode"]
+        return rewards, terminated, truncated, final_obs, episodes
+
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+        """The child process: start the Games, then step them on each command until told to stop."""
+        games = self.start_games(env_id, seed, obs_view)
+        conn.send(("ok", None))
+        while (command := conn.recv())[0] == "step":
+            conn.send(("ok", self.step_games(games, command[1], obs_view)))
 
     def send_step(self, actions: np.ndarray):
-        if self.in_process:
-            self.actions = actions
-            return
-        try:
-            self.trainer_end.send(("step", actions))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
+        self.trainer_end.send(("step", actions))
 
-    def receive(self, timeout: float = 120.0) -> tuple:
-        """The result of the last `send_step`. Waits on the pipe and on the process at once, so a
-        child that dies is noticed at once instead of blocking `recv()` forever."""
-        if self.in_process:
-            return step_game(self.game, self.actions, self.obs_view)
-        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
-        if self.trainer_end in ready:
-            try:
-                status, payload = self.trainer_end.recv()
-            except (EOFError, OSError):
-                status, payload = "dead", None
-            if status == "ok":
-                return payload
-            if status == "error":
-                raise WorkerError(f"worker {self.index} ({self.env_id}) failed: {payload}")
-        name = f"worker {self.index} ({self.env_id})"
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
-        self.process.join(timeout=1.0)
-        code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
-        raise WorkerError(f"{name} died ({how})")
+    def receive(self) -> tuple:
+        """The result of the last `send_step`; the observations are in `obs_view` by then."""
+        return self.trainer_end.recv()[1]
 
     def close(self):
-        if self.in_process:
-            self.game.close()
-            return
-        try:
-            self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
-        self.trainer_end.close()
-        self.process.join(timeout=2.0)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self.trainer_end.send(("close", None))
+        self.process.join()
+
+
+class RunningMeanStd:
+    """The count, mean and variance of all the numbers seen so far, per feature, kept without the
+    numbers (float64), to normalise what PPO sees as CleanRL and SB3 do (37 details, continuous
+    #6-#9): one set for all games, part of the policy (saved, frozen by --eval). A batch merges in
+    by Chan, Golub and LeVeque's parallel formula (1979), exact for any split (n = n_a + n_b):
+        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
+    with delta = mean_b - mean_a. It starts from count 1e-4, mean 0, variance 1, as theirs do (a
+    safe first division). Off (--no-normalize-observations, --no-scale-rewards): a pass-through."""
+
+    def __init__(self, shape: tuple, device, count=1e-4, var=1.0, active: bool = True):
+        self.count, self.active = count, active
+        self.mean = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.var = torch.full(shape, var, dtype=torch.float64, device=device)
+
+    def update(self, batch: torch.Tensor):  # a batch [n, *shape] of numbers
+        var, mean = torch.var_mean(batch.to(torch.float64), dim=0, correction=0)
+        self.merge(float(len(batch)), mean, var)
+
+    def merge(self, count: float, mean: torch.Tensor, var: torch.Tensor):  # in place
+        total = self.count + count
+        delta = mean - self.mean
+        self.var.mul_(self.count / total).add_(var, alpha=count / total)
+        self.var.add_(delta.square(), alpha=self.count * count / total ** 2)
+        self.mean.add_(delta, alpha=count / total)
+        self.count = total
+
+    def normalize(self, obs: torch.Tensor, clip: float, update: bool = True) -> torch.Tensor:
+        """Continuous #6-#7: (obs - mean) / std, this batch included (`update`); then clipped."""
+        if not self.active:
+            return obs
+        if update:
+            self.update(obs)
+        normalised = (obs - self.mean) / torch.sqrt(self.var + 1e-8)
+        return normalised.clamp(-clip, clip).to(torch.float32)
+
+    def scale(self, rewards, returns, ended, gamma: float, clip: float) -> torch.Tensor:
+        """Rewards (continuous #8-#9): each game's discounted return R <- gamma R + r (`returns`,
+        in place) feeds these statistics; the reward, divided by R's std, then clipped, keeps the
+        value targets near unit scale. R restarts at every episode end, truncation included."""
+        if not self.active:
+            return rewards
+        returns.mul_(gamma).add_(rewards)
+        self.update(returns)
+        returns.masked_fill_(ended, 0.0)
+        return (rewards / torch.sqrt(self.var + 1e-8)).clamp(-clip, clip).to(torch.float32)
 
 
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
-    """A linear layer with orthogonal weights of the given gain and zero biases (37 details, #2: the
-    hidden layers get sqrt(2), the policy output 0.01 so that every mean starts near 0, the value
-    output 1)."""
+    """A linear layer, orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2)
+    hidden, 0.01 at the policy output so that every mean starts near 0, 1 at the value's)."""
     linear = nn.Linear(in_size, out_size)
     nn.init.orthogonal_(linear.weight, gain)
     nn.init.zeros_(linear.bias)
@@ -316,11 +277,9 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 
 
 class Model(nn.Module):
-    """The actor-critic: a policy MLP giving the mean of each action dimension and a separate value
-    MLP, both 64-64 tanh (37 details, #13 and continuous #4). The policy is a Gaussian (continuous
-    #1) with a state-independent log standard deviation (continuous #2): one parameter per action
-    dimension, initialised to 0 (sigma = 1). The dimensions are independent (continuous #3): the
-    log-probability and the entropy of an action are sums over its dimensions."""
+    """The actor-critic, two 64-64 tanh MLPs (37 details, #13, continuous #4): the policy's gives
+    the mean of a Gaussian (continuous #1) whose log standard deviation, one per action dimension
+    from 0, depends on no state (#2); the dimensions are independent: log-probabilities sum (#3)."""
 
     def __init__(self, obs_size: int, action_size: int, hidden_size: int = 64):
         super().__init__()
@@ -345,16 +304,14 @@ class Model(nn.Module):
         return (-0.5 * squared - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
 
     def act(self, obs: torch.Tensor, greedy: bool = False):
-        """Choose actions for a batch of observations: (the sampled, unbounded actions [batch,
-        action_size], their log-probabilities, the values of the observations)."""
+        """(sampled, unbounded actions [batch, action_size], their log-probabilities, values)."""
         mean = self.actor(obs)
         log_std = self.log_std.expand_as(mean)
         actions = mean if greedy else mean + log_std.exp() * torch.randn_like(mean)
         return actions, self.gaussian_log_prob(actions, mean, log_std), self.value(obs)
 
     def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor):
-        """For the loss: log-probabilities of the taken actions under the current policy, the
-        entropy of the policy, and the values, all [batch]."""
+        """For the loss: the taken actions' log-probabilities, the entropy, the values ([batch])."""
         mean = self.actor(obs)
         log_prob = self.gaussian_log_prob(actions, mean, self.log_std.expand_as(mean))
         # The same in every state: $H = \\sum_i \\tfrac12 + \\tfrac12 \\log 2\\pi + \\log \\sigma_i$
@@ -366,16 +323,26 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
 
     rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
-    the last step. `dones[t] = 1` when the episode ended at step t, after action t, by termination
-    or truncation; for a truncated episode the trainer has already added gamma * V(final
-    observation) to rewards[t], so cutting the sum there is right in both cases. Returns the
-    advantages [T, N]; the value targets are advantages + values.
+    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
 
-    Readers who know CleanRL: its `dones[t]` means "obs[t] starts a new episode", one step later
-    than here; the two give the same advantages.
+    The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
+    expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
 
-        $\\delta_t = r_t + \\gamma V(s_{t+1}) (1 - d_t) - V(s_t)$
-        $\\hat{A}_t = \\delta_t + \\gamma \\lambda (1 - d_t) \\hat{A}_{t+1}$
+        A_t^(k) = sum_(l<k) gamma^l delta_(t+l)
+                = sum_(l<k) gamma^l r_(t+l) + gamma^k V(s_(t+k)) - V(s_t)
+
+    trade bias for variance: few steps lean on V (biased wherever V is wrong), many on the sampled
+    rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
+    (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
+
+        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
+                  = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
+
+    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
+    (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
+    the sum there; for a truncation the trainer has already added gamma * V(final observation) to
+    rewards[t] (the episode would have gone on). Readers who know CleanRL: its `dones[t]` means
+    "obs[t] starts a new episode", one step later than here; the advantages are the same.
     """
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(last_value)
@@ -392,7 +359,7 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
 class Minibatch(typing.NamedTuple):
     """A shuffled slice of the rollout, one row per step: what the Trainer learns from."""
 
-    obs: torch.Tensor  # [batch, obs_size], as the policy saw them
+    obs: torch.Tensor  # [batch, obs_size], normalised, as the policy saw them
     actions: torch.Tensor  # [batch, action_size], the sampled (unclipped) actions it took
     old_log_probs: torch.Tensor  # their log-probabilities then
     advantages: torch.Tensor  # from GAE
@@ -400,34 +367,68 @@ class Minibatch(typing.NamedTuple):
     old_values: torch.Tensor  # the values then
 
 
+class Rollout:
+    """The rollout buffer: what the current policy saw, did and got, [num_steps, num_envs, ...]."""
+
+    def __init__(self, config: Config, obs_size: int, action_size: int, device: torch.device):
+        shape = (config.num_steps, config.num_envs)
+        self.obs = torch.zeros(shape + (obs_size,), device=device)
+        self.actions = torch.zeros(shape + (action_size,), device=device)
+        self.log_probs, self.values, self.rewards, self.dones = (
+            torch.zeros(shape, device=device) for _ in range(4))
+
+    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
+        """The rows of flat indices (step * num_envs + env)."""
+        return Minibatch(self.obs.flatten(0, 1)[indices], self.actions.flatten(0, 1)[indices],
+                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
+                         returns.flatten()[indices], self.values.flatten()[indices])
+
+
 class Trainer:
     """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
     bonus, and a gradient step with the global gradient norm clipped."""
 
-    def __init__(self, model: Model, config: Config, ranks: Optional["Ranks"] = None):
-        self.model, self.config, self.ranks = model, config, ranks
-        # Adam (written out below the banner) with eps 1e-5 instead of 1e-8 (37 details, #3).
+    def __init__(self, model: Model, config: Config):
+        self.model, self.config = model, config
+        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3). `Adam` (below the banner) computes
+        # what torch.optim.Adam does, without the second torch.optim's first use costs.
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss and its diagnostics, from a minibatch and what the current weights make of
-        it (all [batch])."""
+        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
+        it (all [batch]): the negated objective, to be minimised.
+
+        Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
+        gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
+        rho_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. At
+        theta = theta_old its gradient is the plain policy gradient; further away it lets one
+        rollout serve several epochs, but the estimate worsens as the policies part (other states
+        would be visited; rho_t's variance grows). Why clip: TRPO bounds the move with a KL
+        constraint; PPO (paper, eq. 7) stops rewarding it beyond [1 - eps, 1 + eps]:
+
+            L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
+
+        Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
+        rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
+        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
+        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
+        smaller one, and its gradient pulls back.
+        """
         # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
         # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
         advantages = minibatch.advantages
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
-        # The clipped surrogate (PPO paper, eq. 7): the probability ratio r = pi_new / pi_old may
-        # move the objective only within [1 - clip, 1 + clip]; the max of the two negated terms is
-        # the pessimistic (min) bound of the paper. 37 details, #8.
+        # The clipped surrogate (37 details, #8), negated to be minimised: the max of the negated
+        # terms is the min of the paper's.
         log_ratio = new_log_probs - minibatch.old_log_probs
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
 
-        # Value loss (37 details, #9): squared error to the GAE returns; optionally clipped like the
-        # policy, around the values of the rollout. Off by default here (benchmarks/README.md).
+        # Value loss (37 details, #9): squared error to the GAE returns, clipped only if asked.
         returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
         if config.clip_value_loss:
             clipped = old_values + (new_values - old_values).clamp(-clip, clip)
@@ -440,8 +441,9 @@ class Trainer:
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
 
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator (r - 1) - log r
-        # (Schulman, "Approximating KL divergence", 2020) and the share of samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL with the low-variance estimator
+        # (rho - 1) - log rho (Schulman, "Approximating KL divergence", 2020) and the share of
+        # samples the clip touched.
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
             clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
@@ -460,14 +462,21 @@ class Trainer:
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
-        if self.ranks is not None:
-            self.ranks.average_gradients(self.model.parameters())
+        self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
         # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
         # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
         self.optimizer.step()
         return stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """How much of the returns' variance the value function predicts: 1 perfectly, 0 not at all (a
+    diagnostic, 37 details, #12). A constant return leaves nothing to explain: 0."""
+    returns_variance = returns.var().item()
+    unexplained = (returns - values).var().item()
+    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
 
 
 class Main:
@@ -480,22 +489,27 @@ class Main:
     def __init__(self, config: Config):
         self.config = config
         self.guard = None
+        self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
 
     def run(self) -> dict:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
 
     def train(self) -> dict:
-        self.guard = guard = RunGuard(self)  # settings, torchrun, seeds, Ctrl-C, failures, saving
-        with guard:
+        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+        with self.guard as guard:
             config = self.config  # (the checkpoint's settings, when resuming)
             self.model = Model(guard.obs_size, guard.action_size, config.hidden_size)
-            self.trainer = Trainer(self.model.to(guard.device), config, guard.ranks)
-            self.normalizer = Normalizer(config, guard.obs_size, guard.device,  # running stats
-                                         shared=guard.ranks.distributed)
-            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
-            self.games = guard.start_games()  # Workers, or the torch Pendulum
+            self.trainer = Trainer(self.model.to(guard.device), config)
+            self.obs_stats = RunningMeanStd((guard.obs_size,), guard.device,
+                                            active=config.normalize_observations)
+            self.return_stats = RunningMeanStd((), guard.device, active=config.scale_rewards)
+            self.discounted_returns = self.return_stats.mean.new_zeros(config.num_envs)  # R
+            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
+            # The games: Workers of Games; --env-backend torch plays the same Pendulum as a few
+            # tensor operations for all games at once (tests/ hold the two equal, step by step).
+            self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, guard.action_size, guard.device)
-            next_obs = self.normalizer.observations(self.games.observations())
+            next_obs = self.obs_stats.normalize(self.games.observations(), config.obs_clip)
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -508,18 +522,19 @@ class Main:
 
     def anneal_learning_rate(self):
         """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts, so that a resumed run continues it."""
-        config = self.config
-        if config.anneal_lr:
-            progress = self.global_step / config.total_timesteps
-            self.trainer.optimizer.lr = config.learning_rate * max(0.0, 1.0 - progress)
+        end, set by the step at which each rollout starts. A resumed run with another total anneals
+        from the rate it had to 0 over the steps left (`anneal_from`, set by the guard)."""
+        if self.config.anneal_lr:
+            start_step, start_rate = self.anneal_from
+            progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
+            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
         """Play num_steps steps in every game with the current policy, filling the rollout buffer.
         `next_obs` and the result, the observation after the last step, are normalised."""
-        config, rollout, normalizer = self.config, self.rollout, self.normalizer
-        low, high = self.guard.action_low, self.guard.action_high
+        config, rollout = self.config, self.rollout
+        low, high = (bound.to(next_obs.device) for bound in self.guard.action_bounds)
         episodes = []  # per step: which games ended, their raw returns and lengths
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
@@ -528,28 +543,25 @@ class Main:
             actions, log_probs, values = self.model.act(next_obs)
             rollout.actions[step], rollout.log_probs[step], rollout.values[step] = (
                 actions, log_probs, values)
-            # Continuous #5: the env gets the action clipped to its bounds, the rollout keeps the
-            # sampled one: its log-probability is what the policy did (clipped, it has another).
+            # Continuous #5: the env gets the action clipped to its bounds, but the rollout keeps
+            # the sampled one: its log-probability is the policy's, which the ratio needs.
             result = self.games.step(actions.clamp(low, high))
-            # Continuous #6-#7: observations normalised by running statistics (this batch
-            # included), then clipped. #8-#9: rewards divided by the running std of the
-            # discounted return, then clipped. Episode returns and --target-return stay raw.
-            next_obs = normalizer.observations(self.games.observations())
+            # Continuous #6-#9; the episode returns and --target-return stay raw.
+            next_obs = self.obs_stats.normalize(self.games.observations(), config.obs_clip)
             ended = result.terminated | result.truncated
-            rewards = normalizer.rewards(result.rewards, ended)
-            # Truncation is not death: an episode cut by a time limit would have gone on, so its
-            # last reward gets gamma * V(final observation) added (normalised with the statistics
-            # this step used); then the done flag cuts GAE's sum for both endings (compute_gae).
+            rewards = self.return_stats.scale(result.rewards, self.discounted_returns, ended,
+                                              config.gamma, config.reward_clip)
+            # Truncation is not death: a time-limit cut would have gone on, so its last reward gets
+            # gamma * V(final observation); the done flag then cuts GAE's sum for both endings.
             cut = result.truncated & ~result.terminated
             if cut.any():  # (most steps cut no episode: skip the extra forward pass then)
-                final_obs = normalizer.observations(result.final_obs, update=False)
-                rewards += config.gamma * self.model.value(final_obs) * cut
+                last = self.obs_stats.normalize(result.final_obs, config.obs_clip, update=False)
+                rewards = rewards + config.gamma * self.model.value(last) * cut
             rollout.rewards[step], rollout.dones[step] = rewards, ended
-            self.global_step += config.num_envs * self.guard.ranks.world_size
+            self.global_step += self.guard.steps_per_step  # num_envs of every rank
             episodes.append((self.global_step, ended, result.episode_returns,
                              result.episode_lengths))
-        normalizer.merge_ranks(self.guard.ranks)  # under torchrun: all ranks' data, on every rank
-        self.guard.after_rollout(episode_list(episodes))  # record the episodes; stop on Ctrl-C
+        self.guard.after_rollout(episodes)  # record the episodes; stop on Ctrl-C
         return next_obs
 
     def estimate_advantages(self, next_obs: torch.Tensor):
@@ -564,7 +576,7 @@ class Main:
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
         """update_epochs passes over the rollout in shuffled minibatches, one gradient step each.
         Returns the mean diagnostics as floats (the only host sync of the update)."""
-        config, ranks = self.config, self.guard.ranks
+        config = self.config
         batch_size = config.num_envs * config.num_steps
         minibatch_size = batch_size // config.num_minibatches
         totals, count = {}, 0
@@ -579,185 +591,128 @@ class Main:
                 count += 1
             # Early stop (37 details, #12, optional): once the policy has moved too far from the one
             # that collected the data, further epochs would only push it beyond the trust region.
-            # (Under torchrun, by the ranks' mean KL, so that all stop after the same epoch.)
-            kl = stats["approx_kl"].item() if config.target_kl is not None else None
-            if kl is not None and ranks.mean([kl])[0] > config.target_kl:
+            if (config.target_kl is not None
+                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
                 break
         stats = {key: (value / count).item() for key, value in totals.items()}
         stats["explained_variance"] = explained_variance(self.rollout.values, returns)
-        # Under torchrun, the means over the ranks: rank 0 logs those of the global batch, and all
-        # ranks see the same values when the guard checks them for NaN.
-        return dict(zip(stats, ranks.mean(list(stats.values()))))
+        return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# running statistics, the engines the games run on (Workers, or a Pendulum written in torch), the
-# rollout buffer, a faster Adam and compilation; `Ranks` (torchrun); `RunGuard` (set-up, Ctrl-C,
-# failures, logging, summary); checkpoints; evaluation and video; the checks of the user's input;
-# the command line.
+# engines the games run on (Workers, or a Pendulum written in torch), Adam and compilation;
+# `Ranks` (torchrun); `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints;
+# evaluation and video; the checks of the user's input; the command line.
+
+import copy
+import datetime
+import hashlib
+import json
+import logging
+import multiprocessing.connection
+import os
+import random
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
+
+# ----- Engines: the games, fast and guarded -------------------------------------------------------
 
 
-# ----- Running statistics: observation normalisation and reward scaling ---------------------------
+class GuardedWorker(Worker):
+    """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
+    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
+    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
+    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
+    reported at once (WorkerError) instead of blocking `recv()` forever."""
+
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
+                 inherited_trainer_ends: list):
+        self.inherited_trainer_ends = inherited_trainer_ends
+        super().__init__(index, env_id, seed, obs_view)
+
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for end in [self.trainer_end, *self.inherited_trainer_ends]:
+            end.close()
+        try:
+            super().child_loop(conn, env_id, seed, obs_view)
+        except (EOFError, BrokenPipeError, KeyboardInterrupt):
+            pass  # the trainer is gone or stopping: just exit
+        except Exception as error:
+            try:
+                conn.send(("error", f"{type(error).__name__}: {error}"))
+            except (BrokenPipeError, OSError):
+                pass
+        finally:
+            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+
+    def send_step(self, actions: np.ndarray):
+        try:
+            super().send_step(actions)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child is gone: receive() finds out how, and says so
+
+    def receive(self, timeout: float = 120.0) -> tuple:
+        name = f"worker {self.index} ({self.env_id})"
+        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if self.trainer_end in ready:
+            try:
+                status, payload = self.trainer_end.recv()
+            except (EOFError, OSError):
+                status, payload = "dead", None
+            if status == "ok":
+                return payload
+            if status == "error":
+                raise WorkerError(f"{name} failed: {payload}")
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        signal_name = signal.Signals(-code).name if code and code < 0 else None
+        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        raise WorkerError(f"{name} died ({how})")
+
+    def close(self):
+        try:
+            self.trainer_end.send(("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self.trainer_end.close()
+        self.process.join(timeout=2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
-class RunningMeanStd:
-    """The count, mean and variance of every number seen so far, per feature, kept without the
-    numbers (float64, on the training device; the count a Python number). A batch is merged by the
-    parallel formula of Chan, Golub and LeVeque (1979), exact for any split of the data: with
-    delta = mean_b - mean_a and n = n_a + n_b,
+class InProcessWorker(Worker):
+    """--num-workers 0: the Games of a Worker, played in this process (no child, no pipe)."""
 
-        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
+                 inherited_trainer_ends: list):
+        self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
+        self.games = self.start_games(env_id, seed, obs_view)
 
-    (var * count is the sum of squared deviations, which merges by plain addition plus the delta
-    term). It starts, as gymnasium's and SB3's do, from a tiny count 1e-4 with mean 0 and
-    variance 1, so that the first division is safe."""
+    def send_step(self, actions: np.ndarray):
+        self.actions = actions
 
-    def __init__(self, shape: tuple, device: torch.device, count: float = 1e-4,
-                 var: float = 1.0):
-        self.count = count
-        self.mean = torch.zeros(shape, dtype=torch.float64, device=device)
-        self.var = torch.full(shape, var, dtype=torch.float64, device=device)
+    def receive(self) -> tuple:
+        return self.step_games(self.games, self.actions, self.obs_view)
 
-    def update(self, batch: torch.Tensor):
-        """Add a batch [n, *shape] of numbers."""
-        var, mean = torch.var_mean(batch.to(torch.float64), dim=0, correction=0)
-        self.merge(float(len(batch)), mean, var)
-
-    def merge(self, count: float, mean: torch.Tensor, var: torch.Tensor):
-        """Add the statistics of `count` other numbers (in place, so inference mode may do it)."""
-        if count == 0:
-            return
-        total = self.count + count
-        delta = mean - self.mean
-        self.var.mul_(self.count / total).add_(var, alpha=count / total)
-        self.var.add_(delta.square(), alpha=self.count * count / total ** 2)
-        self.mean.add_(delta, alpha=count / total)
-        self.count = total
-
-    def moments(self) -> torch.Tensor:
-        """[count, mean..., var...] as one flat tensor (what the ranks exchange)."""
-        return torch.cat([self.mean.new_tensor([self.count]), self.mean.flatten(),
-                          self.var.flatten()])
-
-    def merge_moments(self, moments: torch.Tensor):
-        size = self.mean.numel()
-        self.merge(float(moments[0]), moments[1:1 + size].view_as(self.mean),
-                   moments[1 + size:].view_as(self.var))
-
-    def state_dict(self) -> dict:
-        return {"count": self.mean.new_tensor(self.count), "mean": self.mean.clone(),
-                "var": self.var.clone()}
-
-    def load_state_dict(self, state: dict):
-        self.count = float(state["count"])
-        self.mean.copy_(state["mean"])
-        self.var.copy_(state["var"])
-
-
-class Normalizer:
-    """What the trainer does to observations and rewards before PPO sees them (37 details,
-    continuous #6-#9), as CleanRL's continuous PPO and SB3's VecNormalize do, with the statistics
-    in the learner: one set for all the games, saved in the checkpoint, restored by --resume,
-    frozen by --eval, and under torchrun (`shared`) merged over the ranks after each rollout.
-
-    - Observation normalisation (continuous #6): obs <- (obs - mean) / sqrt(var + 1e-8), with the
-      running statistics of every observation the policy was given, this batch included.
-    - Observation clipping (continuous #7): then to [-obs_clip, obs_clip].
-    - Reward scaling (continuous #8): each game keeps a running discounted return
-      R <- gamma R + r; the reward is divided by the running std of R (not of the rewards: the
-      value function learns sums of rewards, and this keeps them near unit scale). R restarts at
-      every end of an episode, truncation included, as SB3's VecNormalize does; gymnasium's
-      NormalizeReward restarts it only at a termination, which on Pendulum (truncated only) never
-      comes, so its R runs on across episodes.
-    - Reward clipping (continuous #9): then to [-reward_clip, reward_clip].
-    """
-
-    def __init__(self, config: Config, obs_size: int, device: torch.device,
-                 num_envs: Optional[int] = None, shared: bool = False):
-        self.config, self.shared = config, shared
-        self.obs_stats = RunningMeanStd((obs_size,), device)
-        self.return_stats = RunningMeanStd((), device)
-        self.returns = torch.zeros(num_envs or config.num_envs, dtype=torch.float64, device=device)
-        self.start_rollout()
-
-    def start_rollout(self):
-        """Shared over ranks, each rank keeps apart what its own rollout adds (from count 0)."""
-        if not self.shared:
-            return
-        device = self.returns.device
-        self.rollout_obs = RunningMeanStd(self.obs_stats.mean.shape, device, count=0.0, var=0.0)
-        self.rollout_returns = RunningMeanStd((), device, count=0.0, var=0.0)
-        self.before_rollout = (self.obs_stats.state_dict(), self.return_stats.state_dict())
-
-    def observations(self, obs: torch.Tensor, update: bool = True) -> torch.Tensor:
-        """Normalised and clipped observations (float32); `update` first adds them to the stats."""
-        if not self.config.normalize_obs:
-            return obs
-        if update:
-            self.obs_stats.update(obs)
-            if self.shared:
-                self.rollout_obs.update(obs)
-        stats, clip = self.obs_stats, self.config.obs_clip
-        normalised = (obs - stats.mean) / torch.sqrt(stats.var + 1e-8)
-        return normalised.clamp(-clip, clip).to(torch.float32)
-
-    def rewards(self, rewards: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
-        """Scaled and clipped rewards (float32) of one step; `ended` restarts the games' R."""
-        if not self.config.scale_rewards:
-            return rewards.clone()
-        self.returns.mul_(self.config.gamma).add_(rewards)
-        self.return_stats.update(self.returns)
-        if self.shared:
-            self.rollout_returns.update(self.returns)
-        self.returns.masked_fill_(ended, 0.0)
-        scaled = rewards / torch.sqrt(self.return_stats.var + 1e-8)
-        return scaled.clamp(-self.config.reward_clip, self.config.reward_clip).to(torch.float32)
-
-    def merge_ranks(self, ranks: "Ranks"):
-        """Under torchrun: one all_gather of what each rank's rollout added (count, mean, var),
-        merged exactly into the statistics from before the rollout, in rank order, so that every
-        rank holds the statistics of the union of all the ranks' data (not an average of
-        variances). Alone, the statistics already hold everything: nothing to do."""
-        if not self.shared:
-            return
-        shared = ranks.gather_tensors(torch.cat([self.rollout_obs.moments(),
-                                                 self.rollout_returns.moments()]))
-        self.obs_stats.load_state_dict(self.before_rollout[0])
-        self.return_stats.load_state_dict(self.before_rollout[1])
-        size = len(self.rollout_obs.moments())
-        for moments in shared:
-            self.obs_stats.merge_moments(moments[:size])
-            self.return_stats.merge_moments(moments[size:])
-        self.start_rollout()
-
-    def state_dict(self) -> dict:
-        return {"obs": self.obs_stats.state_dict(), "return": self.return_stats.state_dict()}
-
-    def load_state_dict(self, state: dict):
-        self.obs_stats.load_state_dict(state["obs"])
-        self.return_stats.load_state_dict(state["return"])
-        self.start_rollout()
-
-
-def episode_list(episodes: list) -> list:
-    """(global step, {"return", "length"}) of each episode that ended in a rollout, from the
-    per-step tensors of Main.collect_rollout, read from the device in one go at its end."""
-    if not episodes:
-        return []
-    steps = [step for step, _, _, _ in episodes]
-    ended, returns, lengths = (torch.stack(part).cpu() for part in list(zip(*episodes))[1:])
-    return [(steps[t], {"return": float(returns[t, i]), "length": int(lengths[t, i])})
-            for t, i in ended.nonzero().tolist()]
-
-
-# ----- The games' engines -------------------------------------------------------------------------
+    def close(self):
+        for game in self.games:
+            game.close()
 
 
 class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations: tensors on the
-    training device, one row per game."""
+    """One step of all the games, besides the observations: tensors on the device, a row a game."""
 
     rewards: torch.Tensor  # [num_envs] float32, raw
     terminated: torch.Tensor  # [num_envs] bool: the episode ended in the game
@@ -768,10 +723,9 @@ class StepResult(typing.NamedTuple):
 
 
 class WorkerPool:
-    """All the games as Games (`--env-backend gym`): num_workers Workers with a Game of num_envs /
-    num_workers envs each (or one Game in this process with --num-workers 0). Their observations
-    land in one [num_envs, obs_size] array (shared memory when there are child processes) that the
-    trainer reads as a tensor without copying. Env i is seeded with first_seed + i."""
+    """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one
+    in this process with --num-workers 0). Their observations land in one [num_envs, obs_size]
+    array (shared memory with child processes), read as a tensor without a copy."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
         self.device = device
@@ -782,14 +736,14 @@ class WorkerPool:
         else:
             self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
             self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
+        worker_class = GuardedWorker if config.num_workers else InProcessWorker
         games_per_worker = config.num_envs // max(config.num_workers, 1)
         try:
             for index in range(max(config.num_workers, 1)):
                 first = index * games_per_worker
-                worker = Worker(index, config.env, first_seed + first,
-                                self.obs_array[first:first + games_per_worker],
-                                in_process=config.num_workers == 0,
-                                inherited_trainer_ends=[w.trainer_end for w in self.workers])
+                worker = worker_class(index, config.env, first_seed + first,
+                                      self.obs_array[first:first + games_per_worker],
+                                      [w.trainer_end for w in self.workers if w.trainer_end])
                 worker.first = first
                 self.workers.append(worker)
         except BaseException:
@@ -807,24 +761,21 @@ class WorkerPool:
 
     def step(self, actions: torch.Tensor) -> StepResult:
         """Step every game: send all workers their actions first, then collect, so that children
-        run in parallel."""
+        run in parallel. The final observations and episodes go into rows, as TorchPendulum's."""
         actions = actions.cpu().numpy()
         for worker in self.workers:
             worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
         results = [worker.receive() for worker in self.workers]
         final_obs = self.obs_array.copy()
-        episode_returns, episode_lengths = np.zeros(len(final_obs)), np.zeros(len(final_obs), int)
-        for worker, (_, _, _, worker_final_obs, worker_episodes) in zip(self.workers, results):
-            for i, obs in worker_final_obs.items():
-                final_obs[worker.first + i] = obs
-            for i, episode in worker_episodes.items():
-                episode_returns[worker.first + i] = episode["return"]
-                episode_lengths[worker.first + i] = episode["length"]
+        returns, lengths = np.zeros(len(final_obs)), np.zeros(len(final_obs), dtype=np.int64)
+        for worker, (_, _, _, worker_final_obs, episodes) in zip(self.workers, results):
+            for i, episode in episodes.items():  # (an ended episode has a final observation)
+                row = worker.first + i
+                final_obs[row] = worker_final_obs[i]
+                returns[row], lengths[row] = episode["return"], episode["length"]
         rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[:3])
-        as_tensor = lambda array: torch.from_numpy(np.asarray(array)).to(self.device)
-        return StepResult(as_tensor(rewards), as_tensor(terminated), as_tensor(truncated),
-                          as_tensor(final_obs), as_tensor(episode_returns),
-                          as_tensor(episode_lengths))
+        return StepResult(*(torch.from_numpy(array).to(self.device) for array in (
+            rewards, terminated, truncated, final_obs, returns, lengths)))
 
     def close(self):
         for worker in self.workers:
@@ -837,40 +788,25 @@ class WorkerPool:
 
 
 class TorchPendulum:
-    """gymnasium's Pendulum-v1 rewritten in torch (`--env-backend torch`): the states of all games
-    are one tensor [num_envs, 2] (angle, angular velocity) on the training device, and a step of
-    all of them is a few tensor operations, with no Python loop over games. It needs no Worker:
-    there is no per-game work to spread over processes, and on a GPU the observations never leave
-    it (a step costs no host round trip; episode statistics are read once per rollout).
-
-    The same as gymnasium's (tests/ step both from the same states): dynamics (g = 10, m = l = 1,
-    dt = 0.05, angular velocity clipped to +-8, the angle not wrapped), the reward from the state
-    before the step and the torque clipped to +-2, -(angle_normalize(th)^2 + 0.1 thdot^2 +
-    0.001 u^2), observations (cos th, sin th, thdot) in float32, starts th ~ U(-pi, pi),
-    thdot ~ U(-1, 1), and truncation after 200 steps (it never terminates). An ended game restarts
-    in the same step, like the Games. Its random numbers come from its own generator, seeded with
-    `seed`: the same runs as gymnasium's only in distribution, not draw for draw.
-    """
+    """gymnasium's Pendulum-v1 in torch (`--env-backend torch`): all games' states in one tensor
+    [num_envs, 2] (angle, speed) on the device, stepped by a few tensor ops, no host round trip.
+    The same game (tests/ step both from the same states), restarted in the same step; its own
+    seeded generator makes it equal to gymnasium's in distribution, not draw for draw."""
 
     MAX_SPEED, MAX_TORQUE, DT, G, M, L = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
     MAX_EPISODE_STEPS = 200
-    # The worst reward: angle pi, speed 8, torque 2.
-    REWARD_RANGE = (-(math.pi ** 2 + 0.1 * 8.0 ** 2 + 0.001 * 2.0 ** 2), 0.0)
+    REWARD_RANGE = (-(math.pi ** 2 + 0.1 * 8.0 ** 2 + 0.001 * 2.0 ** 2), 0.0)  # worst: pi, 8, 2
 
     def __init__(self, num_envs: int, seed: int, device: torch.device):
-        self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.device, self.generator = device, torch.Generator(device=device).manual_seed(seed)
         self.state = self.random_states(num_envs)
         self.steps = torch.zeros(num_envs, dtype=torch.int64, device=device)
         self.episode_returns = torch.zeros(num_envs, dtype=torch.float64, device=device)
 
     def random_states(self, n: int) -> torch.Tensor:
         """Starting states, float64 like gymnasium's: th ~ U(-pi, pi), thdot ~ U(-1, 1)."""
-        uniform = torch.rand(n, 2, dtype=torch.float64, device=self.device,
-                             generator=self.generator)
-        return (2 * uniform - 1) * torch.tensor([math.pi, 1.0], dtype=torch.float64,
-                                                device=self.device)
+        u = torch.rand(n, 2, generator=self.generator, dtype=torch.float64, device=self.device)
+        return (2 * u - 1) * u.new_tensor([math.pi, 1.0])
 
     def observations(self) -> torch.Tensor:
         theta, theta_dot = self.state.unbind(1)
@@ -880,19 +816,17 @@ class TorchPendulum:
         torque = actions[:, 0].to(torch.float64).clamp(-self.MAX_TORQUE, self.MAX_TORQUE)
         theta, theta_dot = self.state.unbind(1)
         normalised_angle = (theta + math.pi) % (2 * math.pi) - math.pi
-        costs = normalised_angle ** 2 + 0.1 * theta_dot ** 2 + 0.001 * torque ** 2
+        rewards = -(normalised_angle ** 2 + 0.1 * theta_dot ** 2 + 0.001 * torque ** 2)
         acceleration = (3 * self.G / (2 * self.L) * theta.sin()
                         + 3.0 / (self.M * self.L ** 2) * torque)
         theta_dot = (theta_dot + acceleration * self.DT).clamp(-self.MAX_SPEED, self.MAX_SPEED)
         self.state = torch.stack([theta + theta_dot * self.DT, theta_dot], dim=1)
-        rewards = -costs
         self.steps += 1
         self.episode_returns += rewards
         truncated = self.steps >= self.MAX_EPISODE_STEPS
         final_obs = self.observations()
         episode_returns, episode_lengths = self.episode_returns.clone(), self.steps.clone()
-        # Same-step restart without asking the device which games ended (no host sync): fresh
-        # states are drawn for all, and kept where a game ended.
+        # Same-step restart, without a host sync: fresh states for all, kept where a game ended.
         self.state = torch.where(truncated[:, None], self.random_states(len(truncated)), self.state)
         self.steps.masked_fill_(truncated, 0)
         self.episode_returns.masked_fill_(truncated, 0.0)
@@ -904,37 +838,30 @@ class TorchPendulum:
 
 
 def check_env_specs(engine, num_envs: int, obs_space, action_space, steps: int = 210):
-    """At start-up, in the spirit of TorchRL's check_env_specs: step an engine (a spare one, so the
-    run's random streams are untouched) with random actions, some beyond the bounds, through a
-    truncation, and check every shape, dtype and bound against the declared spaces. A failure is a
-    bug in the engine: RuntimeError."""
-    obs_size, action_size = int(np.prod(obs_space.shape)), int(np.prod(action_space.shape))
-    low, high = (torch.as_tensor(bound, device=engine.device).flatten()
-                 for bound in (obs_space.low, obs_space.high))
+    """As TorchRL's check_env_specs: step a spare engine with random actions (a third beyond the
+    bounds) through a truncation; any shape, dtype or bound not as declared raises RuntimeError."""
+    obs_shape = (num_envs, int(np.prod(obs_space.shape)))
+    obs_bounds = [torch.as_tensor(bound, device=engine.device).flatten()
+                  for bound in (obs_space.low, obs_space.high)]
+    low, high = (torch.as_tensor(bound, device=engine.device)
+                 for bound in (action_space.low, action_space.high))
 
     def check(what: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype, bounds=None):
         problem = (f"shape {tuple(tensor.shape)}" if tuple(tensor.shape) != shape else
                    f"dtype {tensor.dtype}" if tensor.dtype != dtype else
-                   f"device {tensor.device}" if tensor.device.type != engine.device.type else
                    "values out of bounds" if bounds is not None and not (
                        (tensor >= bounds[0]).all() and (tensor <= bounds[1]).all()) else None)
         if problem:
             raise RuntimeError(f"{type(engine).__name__}: {what} has {problem}, not as declared "
                                f"{shape} {dtype} {tuple(bounds) if bounds else ''}")
 
-    check("an observation", engine.observations(), (num_envs, obs_size), torch.float32, (low, high))
-    action_low = torch.as_tensor(action_space.low, device=engine.device)
-    action_high = torch.as_tensor(action_space.high, device=engine.device)
     truncations = 0
+    check("an observation", engine.observations(), obs_shape, torch.float32, obs_bounds)
     for _ in range(steps):
-        uniform = torch.rand(num_envs, action_size, device=engine.device,
-                             generator=engine.generator)
-        actions = action_low + (3 * uniform - 1) * (action_high - action_low)  # 1/3 beyond
-        result = engine.step(actions)
-        check("an observation", engine.observations(), (num_envs, obs_size), torch.float32,
-              (low, high))
-        check("a final observation", result.final_obs, (num_envs, obs_size), torch.float32,
-              (low, high))
+        uniform = torch.rand(num_envs, *low.shape, device=engine.device, generator=engine.generator)
+        result = engine.step(low + (3 * uniform - 1) * (high - low))
+        check("an observation", engine.observations(), obs_shape, torch.float32, obs_bounds)
+        check("a final observation", result.final_obs, obs_shape, torch.float32, obs_bounds)
         check("a reward", result.rewards, (num_envs,), torch.float32, engine.REWARD_RANGE)
         check("terminated", result.terminated, (num_envs,), torch.bool)
         check("truncated", result.truncated, (num_envs,), torch.bool)
@@ -944,36 +871,36 @@ def check_env_specs(engine, num_envs: int, obs_space, action_space, steps: int =
                            f"of {num_envs} games, not one per {engine.MAX_EPISODE_STEPS} steps")
 
 
-# ----- The rollout buffer, Adam and compilation ---------------------------------------------------
+def start_engine(config: Config, obs_size: int, first_seed: int, device: torch.device):
+    """Workers of Games, or the torch Pendulum checked first against gymnasium's declared spaces."""
+    if config.env_backend == "gym":
+        return WorkerPool(config, obs_size, first_seed, device)
+    env = gym.make(config.env)  # (for its declared spaces; Pendulum holds nothing to close)
+    check_env_specs(TorchPendulum(4, first_seed, device), 4, env.observation_space,
+                    env.action_space)
+    return TorchPendulum(config.num_envs, first_seed, device)
 
 
-class Rollout:
-    """The rollout buffer: one row per step and env, on the training device."""
+def ended_episodes(episodes: list) -> list:
+    """(step, statistics) of each episode the rollout ended, read from the device at once."""
+    if not episodes:
+        return []
+    steps, *parts = zip(*episodes)
+    ended, returns, lengths = (torch.stack(part).cpu() for part in parts)
+    return [(steps[t], {"return": float(returns[t, i]), "length": int(lengths[t, i])})
+            for t, i in ended.nonzero().tolist()]
 
-    def __init__(self, config: Config, obs_size: int, action_size: int, device: torch.device):
-        shape = (config.num_steps, config.num_envs)
-        self.obs = torch.zeros(shape + (obs_size,), device=device)  # normalised, as the policy saw
-        self.actions = torch.zeros(shape + (action_size,), device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.rewards = torch.zeros(shape, device=device)
-        self.dones = torch.zeros(shape, device=device)
 
-    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
-        """The rows of flat indices (step * num_envs + env)."""
-        return Minibatch(self.obs.flatten(0, 1)[indices], self.actions.flatten(0, 1)[indices],
-                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
-                         returns.flatten()[indices], self.values.flatten()[indices])
+# ----- Adam and compilation -----------------------------------------------------------------------
 
 
 class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines.
-
-    Why not torch.optim.Adam: constructing the first torch.optim optimizer imports torch._dynamo,
-    which costs about a second, a large share of the time this script needs to learn Pendulum.
-    tests/ check this class against torch.optim.Adam step by step. Adam keeps running averages of
-    each gradient (m) and of its square (v), corrects their bias towards 0 in the first steps, and
-    moves each weight by lr * m_hat / (sqrt(v_hat) + eps).
+    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
+    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
+    the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
+    torch.optim.Adam: its first use imports torch._dynamo, 1.2 s measured with torch 2.14, a large
+    share of the time this script needs to learn Pendulum (benchmarks/README.md). tests/ check this
+    class against torch.optim.Adam step by step.
     """
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
@@ -1016,25 +943,26 @@ class Adam:
             mine.copy_(theirs)
 
 
-def compile_learner(model: Model, trainer: Trainer, config: Config, obs_size: int, action_size: int,
-                    device: torch.device):
+def compile_learner(main: Main):
     """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and for
     the loss (its backward is compiled with it). It costs seconds to compile, which Pendulum never
     earns back, hence off by default. Compiling the bound methods, not the modules, keeps the
     checkpoint's parameter names as they are. Both are compiled here, on inputs of the sizes they
     will see, so that a machine that cannot compile falls back to eager at once, with a warning."""
+    model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     networks = (model.actor, model.critic)
     eager_forwards, eager_loss = [network.forward for network in networks], trainer.compute_loss
-    minibatch_size = config.num_envs * config.num_steps // config.num_minibatches
+    size, device = config.num_envs * config.num_steps // config.num_minibatches, guard.device
     try:
         for network, forward in zip(networks, eager_forwards):
             network.forward = torch.compile(forward)
         trainer.compute_loss = torch.compile(eager_loss)
         with torch.no_grad():
-            model.act(torch.zeros(config.num_envs, obs_size, device=device))
-        zeros = torch.zeros(minibatch_size, device=device)
-        actions = torch.zeros((minibatch_size, action_size), device=device)
-        obs = torch.zeros(minibatch_size, obs_size, device=device)
+            model.act(torch.zeros(config.num_envs, guard.obs_size, device=device))
+        zeros = torch.zeros(size, device=device)
+        actions, obs = (torch.zeros(size, n, device=device)
+                        for n in (guard.action_size, guard.obs_size))
         loss, _ = trainer.compute_loss(Minibatch(obs, actions, zeros, zeros + 1, zeros, zeros))
         loss.backward()
         trainer.optimizer.zero_grad()
@@ -1046,37 +974,32 @@ def compile_learner(model: Model, trainer: Trainer, config: Config, obs_size: in
               f"{str(error).splitlines()[0]}); running eagerly", file=sys.stderr)
 
 
+def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
+    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
+    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
+    reads as if something were wrong. A filter on that logger drops this one message."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
 
 class RankError(RuntimeError):
-    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ at
-    the end."""
+    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ."""
 
 
 class Ranks:
-    """The processes ("ranks") of one run started by torchrun, and the few things they do together.
+    """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
-    `torchrun --nproc_per_node N ppo_continuous.py ...` (or any torch.distributed launcher, over
-    several machines too) starts N copies of this script and tells each its rank and the world size
-    in the environment (RANK, WORLD_SIZE, LOCAL_RANK). This is data parallelism, as in CleanRL's
-    multi-GPU PPO (ppo_atari_multigpu.py): each rank plays its own --num-envs games (env i of rank r
-    gets seed + r * num_envs + i), collects its own rollout and splits it into its own
-    --num-minibatches; but before each gradient step the ranks average their gradients, so all take
-    the same step and hold the same weights.
-    - The global batch of an update is world_size x num_envs x num_steps steps. --total-timesteps,
-      the learning-rate schedule and --checkpoint-every count the steps of all ranks.
-    - A gradient step sees world_size x (num_envs x num_steps / num_minibatches) samples, and an
-      update still takes update_epochs x num_minibatches steps.
-    - To keep the hyperparameters of a 1-GPU run equivalent on N GPUs, divide --num-envs by N: the
-      same global batch, minibatches and steps, in 1/N of the time. Keeping --num-envs makes the
-      batch and the minibatches N times larger, and the run N times fewer updates.
-    Every decision to stop (Ctrl-C, --target-return, --target-kl, a non-finite loss) is taken from
-    values all ranks share, so no rank waits in a collective the others skipped. Only rank 0 writes
-    files.
-
-    Without torchrun it is a world of one: no process group, and every method returns at once, so
-    a run alone is exactly what it would be without this class.
+    torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
+    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
+    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
+    minibatches, but the ranks average their gradients before each step, so all take the same step
+    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
+    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
+    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
+    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
+    world of one, and every method returns at once.
     """
 
     def __init__(self, device: torch.device):
@@ -1093,8 +1016,7 @@ class Ranks:
                                  f"{gpus}: lower --nproc_per_node")
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-        try:
-            # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP.
+        try:  # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         except (RuntimeError, ValueError) as error:
             raise UsageError(f"WORLD_SIZE is set, but joining the other ranks failed "
@@ -1102,8 +1024,8 @@ class Ranks:
                              ) from None
 
     def collective(self, operation, *args):
-        """Run one torch.distributed operation. When another rank has died, gloo raises here (its
-        connection closed): this rank then stops with one line (RankError), not a traceback."""
+        """One torch.distributed operation. When another rank has died, gloo raises here: this
+        rank then stops with one line (RankError), not a traceback."""
         try:
             return operation(*args)
         except RuntimeError as error:
@@ -1113,11 +1035,8 @@ class Ranks:
                             ) from None
 
     def average_gradients(self, parameters):
-        """Replace each gradient with its mean over the ranks: one all-reduce of all gradients
-        flattened into one vector. Why not DistributedDataParallel: DDP overlaps the exchange with
-        the backward pass, which pays for big networks; here one small message per minibatch is as
-        fast, keeps the averaging in sight in Trainer.gradient_step (before the clip, so every rank
-        clips the same global gradient), and fits the hand-written Adam, which reads each .grad."""
+        """Each gradient becomes its mean over the ranks, in one all-reduce of all of them. (DDP
+        would overlap this with the backward pass, which pays only for big networks.)"""
         if not self.distributed:
             return
         grads = [p.grad for p in parameters]
@@ -1143,14 +1062,6 @@ class Ranks:
         self.collective(dist.all_gather_object, values, value)
         return values
 
-    def gather_tensors(self, tensor: torch.Tensor) -> list:
-        """Every rank's tensor (of the same shape), in rank order, on every rank: one all_gather."""
-        if not self.distributed:
-            return [tensor]
-        tensors = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self.collective(dist.all_gather, tensors, tensor.contiguous())
-        return tensors
-
     def from_rank_0(self, make):
         """make() run on rank 0 only; its result, or the UsageError it raised, on every rank."""
         if not self.distributed:
@@ -1173,8 +1084,7 @@ class Ranks:
                 self.collective(dist.broadcast, tensor, 0)
 
     def check_same(self, tensors):
-        """Raise RankError on every rank unless every rank holds bitwise the same tensors as rank 0
-        (the weights at the end of a run: a difference means the ranks trained other networks)."""
+        """Raise RankError unless every rank holds bitwise rank 0's tensors (the final weights)."""
         if not self.distributed:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
@@ -1189,7 +1099,28 @@ class Ranks:
             dist.destroy_process_group()
 
 
-# ----- RunGuard: set-up, Ctrl-C, failures, logging and the summary --------------------------------
+def merge_over_ranks(ranks: Ranks, main: Main, before: dict):
+    """Under torchrun, after each rollout: every rank's share is what its statistics gained since
+    `before` (Chan's formula, inverted); all merge all shares into `before`, in rank order."""
+    if not ranks.distributed:
+        return
+    statistics, shares = (main.obs_stats, main.return_stats), []
+    for stats, old in zip(statistics, (before["obs"], before["return"])):
+        old_count, count = float(old["count"]), stats.count
+        own = count - old_count
+        own_mean = old["mean"] + (stats.mean - old["mean"]) * (count / own if own else 0.0)
+        delta = own_mean - old["mean"]
+        squares = (stats.var * count - old["var"] * old_count
+                   - delta.square() * old_count * own / count)
+        own_var = squares / own if own else torch.zeros_like(squares)
+        shares.append((own, own_mean.cpu(), own_var.cpu()))
+        load_statistics(stats, old)
+    for rank_shares in ranks.gather(shares):
+        for stats, (count, mean, var) in zip(statistics, rank_shares):
+            stats.merge(count, mean.to(stats.mean.device), var.to(stats.var.device))
+
+
+# ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
 
 
 class WorkerError(RuntimeError):
@@ -1209,27 +1140,28 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 class RunGuard:
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-
-    On entry it reads --resume's checkpoint, checks the settings and the env, joins the other ranks
-    under torchrun, makes the run dir and seeds every generator. In the loop it records finished
-    episodes, stops on Ctrl-C or SIGTERM, logs each update, saves checkpoints when due, and stops
-    on a non-finite loss with the weights of the update before. On exit, whatever ended the run,
-    it closes the games, saves the last checkpoint and writes summary.json (a failure is raised
-    again afterwards), then gives back what it changed in the process: the signal handlers and
-    torch's thread count, so that a notebook is left as it was.
-    """
+    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
+    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
+    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
+    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        self.main, self.config = main, main.config
+        self.main, self.stop_signal, self.previous_handlers = main, None, {}
         self.previous_threads = torch.get_num_threads()
-        self.previous_handlers = {}
-        self.stop_signal = None
-        self.ranks = self.games = self.writer = None
-        self.updates = 0
-        self.summary = None
+        self.ranks = self.games = self.log = self.summary = None
+
+    @property
+    def config(self) -> Config:
+        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
+        return self.main.config
+
+    solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
-        self.catch_stop_signals()
+        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
+            for signum in (signal.SIGINT, signal.SIGTERM):  # only noted: the loop stops cleanly
+                self.previous_handlers[signum] = signal.signal(
+                    signum, lambda number, frame: setattr(self, "stop_signal", number))
         try:
             self.setup()
         except BaseException:
@@ -1237,38 +1169,20 @@ class RunGuard:
             raise
         return self
 
-    def catch_stop_signals(self):
-        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step (under torchrun,
-        at the end of the rollout, all ranks together) and stops cleanly. (Signal handlers can only
-        be set from the main thread; in another thread the run cannot be interrupted this way.)"""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum, frame):
-            self.stop_signal = signum
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous_handlers[signum] = signal.signal(signum, request_stop)
-
     def setup(self):
-        config = self.config
-        self.checkpoint = load_checkpoint(config.resume) if config.resume else None
-        if self.checkpoint is not None:
-            config = resumed_config(self.checkpoint, config)
-        self.start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
-        config = with_backend_defaults(config)
-        check_settings(config)
-        device = pick_device(config.device)
-        self.obs_size, self.action_size, action_low, action_high = inspect_env(config.env)
+        start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
+        check_settings(self.config)
+        self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
+        config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
+        check_settings(config := with_backend_defaults(config))
+        self.obs_size, self.action_size, *self.action_bounds = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
-        self.ranks = Ranks(device)
+        self.ranks = Ranks(pick_device(config.device))
         self.device = self.ranks.device
-        self.action_low = torch.as_tensor(action_low, device=self.device)
-        self.action_high = torch.as_tensor(action_high, device=self.device)
+        self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
-        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config))
-        config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        self.main.config = self.config = config
+        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
+        self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
         # Reproducibility: every random draw of the trainer comes from torch's seeded generator
         # (action sampling, minibatch shuffling), and each game from its own seeded generator.
         # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
@@ -1279,99 +1193,70 @@ class RunGuard:
         # One thread is fastest for networks this small: splitting a 64-unit layer over threads
         # costs more than it saves (benchmarks/README.md). Given back when the run ends.
         torch.set_num_threads(1)
-        self.recent_returns, self.recent_lengths = deque(maxlen=100), deque(maxlen=100)
-        self.episodes = 0
-        self.solved_step = self.solved_seconds = None
-        self.interrupted = False
-        self.first_update_end = None  # (time, step) once the first update is done
-        self.last_print = 0.0
-        self.checkpoint_path = self.run_dir / "checkpoint.pt"
+        self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
+        self.log = RunLog(self, start_time)
 
     def prepare_learner(self) -> int:
         """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
         and compile (--compile). Returns the global step to start from."""
-        main, config = self.main, self.config
-        main.global_step = 0
+        main = self.main
+        main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
+            main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
+                                                  main.trainer.optimizer.lr)
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
-        # The ranks start from the same weights, rank 0's; averaging the gradients keeps them so.
-        self.ranks.copy_from_rank_0(main.model.state_dict().values())
-        if config.compile:
-            compile_learner(main.model, main.trainer, config, self.obs_size, self.action_size,
-                            self.device)
+        self.log.start()  # the start-up block
+        self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
+        if main.config.compile:
+            compile_learner(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
-        self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None
         return main.global_step
 
-    def start_games(self):
-        """The games of this rank, on the engine --env-backend names: game i of rank r is seeded
-        with seed + r * num_envs + i (the torch Pendulum: its generator, with seed + r * num_envs).
-        The torch Pendulum is checked against gymnasium's declared spaces first."""
-        config = self.config
-        first_seed = config.seed + self.ranks.rank * config.num_envs
-        if config.env_backend == "torch":
-            env = gym.make(config.env)
-            check_env_specs(TorchPendulum(4, first_seed, self.device), 4, env.observation_space,
-                            env.action_space)
-            env.close()
-            self.games = TorchPendulum(config.num_envs, first_seed, self.device)
-        else:
-            self.games = WorkerPool(config, self.obs_size, first_seed, self.device)
+    def start_games(self):  # game i of rank r is seeded with seed + r * num_envs + i
+        first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
+        self.games = start_engine(self.config, self.obs_size, first_seed, self.device)
         return self.games
 
-    def stop_at_once(self) -> bool:
-        """Ctrl-C alone stops a rollout at once; under torchrun all ranks stop together after it."""
+    def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
         return self.stop_signal is not None and not self.ranks.distributed
 
-    def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout, and stop (raise Interrupted) if asked to.
-        Under torchrun, this is where the ranks meet once per rollout: each learns the episodes of
-        every rank and whether any rank was asked to stop. All record the same episodes in the same
-        order (by step, then by rank), so they take the same --target-return decision."""
-        shared = self.ranks.gather((ended, self.stop_signal))
-        episodes = sorted((episode for rank_ended, _ in shared for episode in rank_ended),
-                          key=lambda step_and_episode: step_and_episode[0])
-        for step, episode in episodes:
-            self.record_episode(episode, step)
+    def mean(self, value: float) -> float:  # over the ranks (the value itself without torchrun)
+        return self.ranks.mean([value])[0]
+
+    def after_rollout(self, episodes: list):
+        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
+        Under torchrun the ranks meet here once per rollout: they merge their running statistics
+        and learn every rank's episodes (by step, then rank) and stop requests: all decide alike."""
+        merge_over_ranks(self.ranks, self.main, self.last_good_learner["normalizer"])
+        shared = self.ranks.gather((ended_episodes(episodes), self.stop_signal))
+        for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
+                                    key=lambda step_and_episode: step_and_episode[0]):
+            self.log.record_episode(episode, step)
         signals = [signum for _, signum in shared if signum is not None]
         if signals:
             self.stop_signal = signals[0]
             raise Interrupted
 
-    def record_episode(self, episode: dict, step: int):
-        self.episodes += 1
-        self.recent_returns.append(episode["return"])
-        self.recent_lengths.append(episode["length"])
-        if self.writer is not None:
-            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
-            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
-        target = self.config.target_return
-        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
-                and np.mean(self.recent_returns) >= target):
-            self.solved_step = step
-            self.solved_seconds = time.perf_counter() - self.start_time
-
     def after_update(self, stats: dict):
-        """Stop on a non-finite loss; else count the update, log it, and save when due."""
-        main = self.main
+        """Average the diagnostics over the ranks and stop if one is not finite; else log the
+        update and save when due."""
+        main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
             raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
                                 f"({values}); stopped with the weights of the update before")
         self.updates += 1
-        if self.first_update_end is None:
-            self.first_update_end = (time.perf_counter(), main.global_step)
-        self.log_update(stats)
+        self.log.update(stats)
         if main.global_step - self.last_checkpoint_step >= self.config.checkpoint_every:
             save_checkpoint(learner_state(main), self.checkpoint_path, self.ranks)
             self.last_checkpoint_step = main.global_step
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
     def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games, and unless the error is one a run cannot save from (bad input, a bug),
+        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
         save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
         failure is raised again once everything is saved."""
         try:
@@ -1379,22 +1264,16 @@ class RunGuard:
                 self.games.close()
             if kind is not None and not issubclass(kind, (Interrupted, *FAILURES)):
                 return False
-            self.interrupted = kind is Interrupted
             failure = error if isinstance(error, FAILURES) else None
             if isinstance(error, (NonFiniteLoss, RankError)):  # the update may be half done
                 restore_learner(self.main, self.last_good_learner)
             if failure is None:  # all ranks are here together: check they trained the same network
                 try:
-                    self.ranks.check_same(list(self.main.model.state_dict().values())
-                                          + list(learner_state(self.main)["normalizer"]["obs"]
-                                                 .values()))
+                    self.ranks.check_same([*self.main.model.parameters(), self.main.obs_stats.mean])
                 except RankError as mismatch:
                     failure = mismatch
             save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
-            self.summary = self.write_summary()
-            if self.writer is not None:
-                self.writer.close()
-                self.print_progress(final=True)
+            self.summary = self.log.finish(kind is Interrupted, failure is not None)
             if failure is not None and failure is not error:
                 raise failure
             return failure is None  # a failure propagates; Ctrl-C does not
@@ -1410,72 +1289,141 @@ class RunGuard:
         if self.ranks is not None:
             self.ranks.close()
 
+
+class RunLog:
+    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
+    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
+    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+
+    def __init__(self, guard: RunGuard, start_time: float):
+        self.guard, self.main, self.start_time = guard, guard.main, start_time
+        resumed = guard.checkpoint is not None
+        saved = guard.checkpoint.get("log", {}) if resumed else {}
+        self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
+        self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
+        self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
+        self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
+        self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
+        self.last_print = 0.0
+        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+
+    def say(self, line: str):
+        if self.writer is not None:  # rank 0 speaks for all
+            print(line, flush=True)
+
+    def start(self):
+        """What runs where, what differs from the defaults, and how far it goes."""
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
+        batch = guard.steps_per_step * config.num_steps
+        self.last_step = step + max(0, math.ceil((config.total_timesteps - step) / batch)) * batch
+        rounded = (f" ({config.total_timesteps:,} rounded up to whole rollouts of {batch:,})"
+                   if self.last_step != config.total_timesteps else "")
+        self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
+                 f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
+        defaults = with_backend_defaults(Config(env_backend=config.env_backend))
+        changed = [(f.name.replace("_", "-"), getattr(config, f.name))
+                   for f in dataclasses.fields(Config)
+                   if f.name != "run_dir" and getattr(config, f.name) != getattr(defaults, f.name)]
+        if changed:
+            self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
+                                              if isinstance(value, bool) else f"--{flag} {value}"
+                                              for flag, value in changed))
+        if self.resumed_at_step is not None:
+            rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
+            self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
+                     f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+        if config.compile:
+            self.say("compiling the model and the update (torch.compile, once per run; this can "
+                     "take a minute)...")
+
+    def record_episode(self, episode: dict, step: int):
+        self.episodes += 1
+        self.recent_returns.append(episode["return"])
+        self.recent_lengths.append(episode["length"])
+        if self.writer is not None:
+            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
+            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
+        target = self.guard.config.target_return
+        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
+                and np.mean(self.recent_returns) >= target):
+            self.solved_step, self.solved_seconds = step, self.seconds()
+
+    def update(self, stats: dict):
+        step, writer = self.main.global_step, self.writer
+        if self.first_update_end is None:
+            self.first_update_end = (time.perf_counter(), step)
+        if writer is None:
+            return
+        for key, value in stats.items():
+            writer.add_scalar(f"losses/{key}", value, step)
+        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        if self.steady_speed() is not None:
+            writer.add_scalar("charts/steps_per_second", self.steady_speed(), step)
+        if time.perf_counter() - self.last_print >= 1.0:
+            self.print_progress()
+
+    def seconds(self) -> float:
+        """Wall-clock seconds of the whole run: the parts it was resumed from, and this one."""
+        return self.earlier_seconds + time.perf_counter() - self.start_time
+
     def steady_speed(self) -> Optional[float]:
-        """Steps per second since the end of the first update (which holds one-time costs)."""
+        """Steps per second since this process's first update (which holds one-time costs)."""
         if self.first_update_end is None:
             return None
         end_time, end_step = self.first_update_end
         elapsed, steps = time.perf_counter() - end_time, self.main.global_step - end_step
         return steps / elapsed if elapsed > 0 and steps > 0 else None
 
-    def log_update(self, stats: dict):
-        step, writer = self.main.global_step, self.writer
-        if writer is None:
-            return  # under torchrun, rank 0 logs and prints for all
-        for key, value in stats.items():
-            writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
-        speed = self.steady_speed()
-        if speed is not None:
-            writer.add_scalar("charts/steps_per_second", speed, step)
-        if time.perf_counter() - self.last_print >= 1.0:
-            self.print_progress()
-
-    def print_progress(self, final: bool = False):
-        self.last_print = time.perf_counter()
-        total, step = self.config.total_timesteps, self.main.global_step
-        speed = self.steady_speed() or step / max(self.last_print - self.start_time, 1e-9)
+    def print_progress(self):
+        self.last_print, step, total = time.perf_counter(), self.main.global_step, self.last_step
+        self.printed_step = step
+        speed = (self.steady_speed() or (step - (self.resumed_at_step or 0))
+                 / max(self.last_print - self.start_time, 1e-9))
         eta = time.strftime("%H:%M:%S", time.gmtime(max(total - step, 0) / max(speed, 1e-9)))
         mean = lambda values: f"{np.mean(values):.1f}" if values else "-"
-        print(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | {speed:,.0f} steps/s | "
-              f"eta {eta} | return {mean(self.recent_returns)} | "
-              f"length {mean(self.recent_lengths)} | updates {self.updates}"
-              + (" | done" if final else ""), flush=True)
+        self.say(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | {speed:,.0f} steps/s | "
+                 f"eta {eta} | return {mean(self.recent_returns)} | "
+                 f"length {mean(self.recent_lengths)} | updates {self.guard.updates}")
 
-    def write_summary(self) -> dict:
-        now, speed = time.perf_counter(), self.steady_speed()
+    def state(self) -> dict:
+        """What the checkpoint keeps of the log, for a resumed run to count on."""
+        return {"episodes": self.episodes, "seconds": self.seconds(),
+                "recent_returns": list(self.recent_returns),
+                "recent_lengths": list(self.recent_lengths)}
+
+    def finish(self, interrupted: bool, failed: bool) -> dict:
+        """Write summary.json, print the last progress line (once) and how the run ended."""
+        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
-            "script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
-            "steps": self.main.global_step,
-            "seconds": round(now - self.start_time, 3),
+            "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
+            "seconds": round(self.seconds(), 3),
             "warmup_seconds": (round(self.first_update_end[0] - self.start_time, 3)
                                if self.first_update_end else None),
-            "steps_per_second": round(speed, 1) if speed else None,
-            "episodes": self.episodes,
+            "steps_per_second": round(speed, 1) if speed else None, "episodes": self.episodes,
             "mean_return_100": float(np.mean(self.recent_returns)) if self.recent_returns else None,
-            "target_return": self.config.target_return,
-            "solved_step": self.solved_step,
+            "target_return": config.target_return, "solved_step": self.solved_step,
             "solved_seconds": (round(self.solved_seconds, 3) if self.solved_seconds is not None
-                               else None),
-            "interrupted": self.interrupted,
-            "checkpoint": str(self.checkpoint_path) if self.checkpoint_path.exists() else None,
-            "world_size": self.ranks.world_size,
-        }
-        if self.ranks.rank != 0:
+                               else None), "interrupted": interrupted,
+            "checkpoint": str(guard.checkpoint_path) if guard.checkpoint_path.exists() else None,
+            "world_size": guard.ranks.world_size, "resumed_at_step": self.resumed_at_step}
+        if self.writer is None:
             return summary  # rank 0 writes it
         try:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            path.write_text(json.dumps(summary, indent=2) + "\n")
         except OSError as error:
             print(f"warning: could not write summary.json ({error})", file=sys.stderr)
+        self.writer.close()
+        if self.printed_step != step:
+            self.print_progress()
+        how = (f"reached the target return {config.target_return:g} at step {self.solved_step:,}"
+               if self.solved_step is not None else
+               f"{'interrupted' if interrupted else 'finished'} at step {step:,}")
+        after = datetime.timedelta(seconds=round(self.seconds()))  # h:mm:ss
+        if not failed:
+            self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
+                     + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """1 when the value function predicts the returns perfectly, 0 when not at all. A constant
-    return (e.g. all episodes alike) leaves nothing to explain: 0."""
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
 
 
 def make_writer(run_dir: Path, config: Config):
@@ -1488,7 +1436,15 @@ def make_writer(run_dir: Path, config: Config):
     return writer
 
 
+
+
 # ----- Checkpoints --------------------------------------------------------------------------------
+
+
+def load_statistics(stats: RunningMeanStd, state: dict):
+    stats.count = float(state["count"])
+    stats.mean.copy_(state["mean"])
+    stats.var.copy_(state["var"])
 
 
 def learner_state(main: Main) -> dict:
@@ -1497,10 +1453,14 @@ def learner_state(main: Main) -> dict:
     guard = main.guard
     return {
         "script": SCRIPT, "env": main.config.env, "obs_size": guard.obs_size,
-        "action_size": guard.action_size, "config": dataclasses.asdict(main.config),
+        "action_size": guard.action_size,
+        "config": dataclasses.asdict(main.config),
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
-        "normalizer": main.normalizer.state_dict(),  # the running statistics: part of the policy
+        "normalizer": {name: {"count": stats.mean.new_tensor(stats.count), "mean": stats.mean,
+                              "var": stats.var}  # the running statistics: the policy's too
+                       for name, stats in (("obs", main.obs_stats), ("return", main.return_stats))},
         "global_step": main.global_step, "updates": guard.updates,
+        "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
     }
 
@@ -1513,9 +1473,24 @@ def restore_learner(main: Main, state: dict):
                          f"size {main.config.hidden_size}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
     main.trainer.optimizer.load_state_dict(state["optimizer"])
-    main.normalizer.load_state_dict(state["normalizer"])
+    load_statistics(main.obs_stats, state["normalizer"]["obs"])
+    load_statistics(main.return_stats, state["normalizer"]["return"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
+    main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
+
+
+def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
+    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
+    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
+    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
+    never jumps; a new --learning-rate starts there."""
+    saved = checkpoint["config"]
+    if config.learning_rate != saved["learning_rate"]:
+        return step, config.learning_rate
+    if config.total_timesteps != saved["total_timesteps"] and saved["anneal_lr"]:
+        return step, rate
+    return tuple(checkpoint.get("anneal_from", (0, saved["learning_rate"])))
 
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
@@ -1535,10 +1510,20 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
         print(f"warning: could not write {path} ({reason}); {kept}", file=sys.stderr)
 
 
-def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+def find_checkpoint(path: str) -> Path:
+    """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
+    if Path(path).is_dir():
+        if not (Path(path) / "checkpoint.pt").is_file():
+            raise UsageError(f"run folder {path} holds no checkpoint.pt")
+        return Path(path) / "checkpoint.pt"
     if not Path(path).is_file():
         raise UsageError(f"checkpoint {path} not found")
+    return Path(path)
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+    path = find_checkpoint(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -1549,24 +1534,24 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
+    checkpoint["path"] = str(path)
     return checkpoint
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
     """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). A different env or network
-    is refused."""
+    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    checkpoint's folder unless given. A different env or network is refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
-    config = Config(**saved)
-    for f in fields:
-        value = getattr(given, f.name)
-        if value != f.default:
-            if f.name in ("env", "hidden_size") and value != saved.get(f.name):
-                raise UsageError(f"the checkpoint was trained with --{f.name.replace('_', '-')} "
-                                 f"{saved.get(f.name)}, not {value}")
-            config = dataclasses.replace(config, **{f.name: value})
-    return config
+    saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    changed = {f.name: getattr(given, f.name) for f in fields
+               if getattr(given, f.name) != f.default}
+    for name in ("env", "hidden_size"):
+        if name in changed and changed[name] != saved.get(name):
+            raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
+                             f"{saved.get(name)}, not {changed[name]}")
+    return Config(**{**saved, **changed})
 
 
 # ----- Evaluation and video -----------------------------------------------------------------------
@@ -1574,26 +1559,23 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
-    """--eval: play --eval-episodes games with a checkpoint's policy and report the raw return.
-    The observations are normalised with the checkpoint's statistics, frozen: evaluation does not
-    change the policy it measures. The games are gymnasium's, whichever backend trained it."""
+    """--eval: play a checkpoint's games (gymnasium's), its statistics frozen; report the return."""
+    check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = with_backend_defaults(resumed_config(checkpoint, given))
-    check_settings(config)
-    if config.eval_episodes <= 0:
-        raise UsageError("--eval-episodes must be positive")
-    obs_size, action_size, action_low, action_high = inspect_env(config.env)
-    if config.video:
-        check_video(config.env)
+    obs_size, action_size, low, high = inspect_env(config.env)
+    # MuJoCo draws with OpenGL: without a display, offscreen (MUJOCO_GL=egl or osmesa).
+    if config.video and "mujoco" in str(gym.spec(config.env).entry_point) and not (
+            os.environ.get("MUJOCO_GL") in ("egl", "osmesa") or os.environ.get("DISPLAY")):
+        raise UsageError(f"--video of {config.env} needs a display, or MuJoCo's offscreen "
+                         f"drawing: run with MUJOCO_GL=egl or MUJOCO_GL=osmesa")
     model = Model(obs_size, action_size, config.hidden_size)
     model.load_state_dict(checkpoint["model"])
-    normalizer = Normalizer(config, obs_size, torch.device("cpu"), num_envs=1)
-    normalizer.load_state_dict(checkpoint["normalizer"])
-    low, high = torch.as_tensor(action_low), torch.as_tensor(action_high)
+    obs_stats = RunningMeanStd((obs_size,), "cpu", active=config.normalize_observations)
+    load_statistics(obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
-    run_dir = Path(given.run_dir) if given.run_dir else Path(config.eval).parent
-    game = Game(config.env, config.seed, num_envs=1,
-                render_mode="rgb_array" if config.video else None)
+    run_dir = Path(config.run_dir)
+    game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
     video = None
     obs = game.reset()
     returns = []
@@ -1601,19 +1583,19 @@ def evaluate_checkpoint(given: Config) -> dict:
         while len(returns) < config.eval_episodes:
             if config.video:
                 video = write_frame(video, game, run_dir / "eval.mp4")
-            obs = normalizer.observations(torch.from_numpy(obs), update=False)
+            obs = obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip, update=False)
             actions, _, _ = model.act(obs, greedy=config.greedy)
-            obs, _, _, _, info = game.step(actions.clamp(low, high).numpy())
+            obs, _, _, _, info = game.step(actions[0].clamp(low, high).numpy())
             if "episode" in info:
-                returns.append(float(info["episode"]["return"][0]))
+                returns.append(float(info["episode"]["return"]))
     finally:
         game.close()
         if video is not None:
             video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
     how = "greedy" if config.greedy else "sampled"
-    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {len(returns)} episodes "
-          f"({how} actions)")
+    episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
+    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
     if video is not None:
         print(f"video: {run_dir / 'eval.mp4'}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
@@ -1626,14 +1608,14 @@ def write_frame(video, game: Game, path: Path):
     frame)."""
     import cv2  # only --video needs OpenCV
 
-    try:
-        frame = game.render()
-    except Exception as error:  # e.g. MuJoCo without the OpenGL library MUJOCO_GL names
-        raise UsageError(f"cannot draw the game for --video ({type(error).__name__}: {error}); "
-                         f"for MuJoCo, try MUJOCO_GL=egl or MUJOCO_GL=osmesa") from None
+    # pygame, which draws the classic-control games, would open SDL's display and sound drivers
+    # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fps = game.envs.metadata.get("render_fps", 30)
+        fps = game.env.metadata.get("render_fps", 30)
         video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps,
                                 (frame.shape[1], frame.shape[0]))
         if not video.isOpened():
@@ -1645,47 +1627,49 @@ def write_frame(video, game: Game, path: Path):
 # ----- Checking the input -------------------------------------------------------------------------
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
-
-
-# --num-envs and --num-steps when not given, by --env-backend: a step of the torch Pendulum costs
-# about as much for 64 games as for 16, so it plays more games for fewer steps each
-# (benchmarks/README.md).
+# --num-envs and --num-steps when not given: a step of the torch Pendulum costs about as much for
+# 64 games as for 16, so it plays more games for fewer steps each (benchmarks/README.md).
 BACKEND_DEFAULTS = {"gym": {"num_envs": 16, "num_steps": 64},
                     "torch": {"num_envs": 64, "num_steps": 16}}
 
 
 def with_backend_defaults(config: Config) -> Config:
-    """The config with --num-envs and --num-steps filled in from --env-backend's defaults where
-    not given (an unknown backend is left for check_settings to refuse)."""
+    """--num-envs and --num-steps, where not given, from --env-backend's defaults."""
     defaults = BACKEND_DEFAULTS.get(config.env_backend, BACKEND_DEFAULTS["gym"])
-    given = {name: getattr(config, name) for name in defaults}
-    return dataclasses.replace(config, **{name: defaults[name] if value is None else value
-                                          for name, value in given.items()})
+    return dataclasses.replace(config, **{name: value for name, value in defaults.items()
+                                          if getattr(config, name) is None})
+
+
+RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
+          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change."""
+    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    the range its Config field names, or not finite; flags that make no sense together."""
+    config = with_backend_defaults(config)  # (--num-envs and --num-steps, when not given)
+    for f in dataclasses.fields(Config):
+        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
+        flag = flag.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, not {value}")
+        if rule is not None and value is not None and not RANGES[rule](value):
+            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
+            raise UsageError(f"{flag} must be {wanted}, not {value}")
+    for flag in ("video", "greedy"):
+        if getattr(config, flag) and not config.eval:
+            raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
+    if config.eval and config.resume:
+        raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one")
     if config.env_backend not in BACKEND_DEFAULTS:
         raise UsageError(f"unknown --env-backend {config.env_backend!r}: use gym or torch")
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                 "hidden_size", "checkpoint_every"):
-        if getattr(config, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, not "
-                             f"{getattr(config, name)}")
-    if config.num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 (games in this process) or more, not "
-                         f"{config.num_workers}")
+    if config.env_backend == "torch" and config.env != "Pendulum-v1":
+        raise UsageError(f"--env-backend torch has Pendulum-v1 only, not {config.env}: use gym")
+    if config.env_backend == "torch" and config.num_workers:
+        raise UsageError("--env-backend torch steps every game in this process: drop --num-workers")
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
-    if config.env_backend == "torch" and config.env != "Pendulum-v1":
-        raise UsageError(f"--env-backend torch has Pendulum-v1 only, not {config.env}: use "
-                         f"--env-backend gym")
-    if config.env_backend == "torch" and config.num_workers:
-        raise UsageError("--env-backend torch steps every game in this process: drop "
-                         "--num-workers")
     batch_size = config.num_envs * config.num_steps
     if batch_size % config.num_minibatches:
         raise UsageError(f"the batch of {batch_size} steps (--num-envs x --num-steps) does not "
@@ -1696,8 +1680,7 @@ def check_settings(config: Config):
 
 
 def inspect_env(env_id: str):
-    """Check that the env exists and that this script can play it. Returns (observation size,
-    action size, the actions' lower and upper bounds as flat float32 arrays)."""
+    """Check that this script can play the env: (obs size, action size, action bounds, tensors)."""
     if env_id not in gym.registry:
         try:
             import ale_py  # registers the Atari ids, to tell the user where those belong
@@ -1711,51 +1694,37 @@ def inspect_env(env_id: str):
         hint = (f"; did you mean {' or '.join(close)}?" if close
                 else "; see gymnasium.pprint_registry()")
         raise UsageError(f"unknown env {env_id!r}{hint}")
-    if is_mujoco(env_id):
-        try:
-            import mujoco  # noqa: F401  (only gymnasium's MuJoCo envs need it)
-        except ImportError:
-            raise UsageError(f"{env_id} runs on MuJoCo, which is not installed: "
-                             f"pip install \"gymnasium[mujoco]\"") from None
-        except Exception as error:  # its OpenGL, e.g. MUJOCO_GL=osmesa without libOSMesa
-            raise UsageError(f"MuJoCo cannot start with MUJOCO_GL="
-                             f"{os.environ.get('MUJOCO_GL')}: {type(error).__name__}: {error}; "
-                             f"install that OpenGL library or try another MUJOCO_GL") from None
+    try:
+        if "mujoco" in str(gym.spec(env_id).entry_point):  # (only MuJoCo's envs need it)
+            import mujoco  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{env_id} runs on MuJoCo, which is not installed: "
+                         f"pip install \"gymnasium[mujoco]\"") from None
+    except Exception as error:  # its OpenGL, e.g. MUJOCO_GL=osmesa without libOSMesa
+        raise UsageError(f"MuJoCo cannot start with MUJOCO_GL={os.environ.get('MUJOCO_GL')}: "
+                         f"{type(error).__name__}: {error}") from None
     try:
         env = gym.make(env_id)
     except Exception as error:
-        # gymnasium's MuJoCo envs need imageio too, which its extra brings along with mujoco.
-        extra = isinstance(error, ImportError) and is_mujoco(env_id)
-        raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}"
-                         + ('; pip install "gymnasium[mujoco]"' if extra else "")) from None
+        raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
     obs_space, action_space = env.observation_space, env.action_space
     env.close()
     if not isinstance(obs_space, gym.spaces.Box):
-        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; this "
-                         f"script needs a Box (a vector of numbers)")
+        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; no script "
+                         f"of this library handles {type(obs_space).__name__} observations yet")
     if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
-        raise UsageError(f"{env_id} observes images {obs_space.shape}: use ppo_atari.py, which "
-                         f"has a CNN")
+        raise UsageError(f"{env_id} observes images {obs_space.shape}; no script of this library "
+                         f"handles image observations outside Atari yet")
     if not isinstance(action_space, gym.spaces.Box):
+        kind = type(action_space).__name__
         raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
-                         f"continuous (Box) actions: use ppo_cartpole.py for Discrete, "
-                         f"MultiDiscrete and MultiBinary ones")
-    low, high = (np.asarray(bound, dtype=np.float32).reshape(-1)
+                         f"continuous (Box) actions" + (
+                             ": use ppo_cartpole.py for Discrete, MultiDiscrete and MultiBinary "
+                             "ones" if kind in ("Discrete", "MultiDiscrete", "MultiBinary") else
+                             f", and no script of this library handles {kind} actions yet"))
+    low, high = (torch.as_tensor(bound, dtype=torch.float32).flatten()
                  for bound in (action_space.low, action_space.high))
     return int(np.prod(obs_space.shape)), int(np.prod(action_space.shape)), low, high
-
-
-def is_mujoco(env_id: str) -> bool:
-    return "mujoco" in str(gym.spec(env_id).entry_point)
-
-
-def check_video(env_id: str):
-    """MuJoCo draws with OpenGL: without a display, it needs an offscreen OpenGL named in the
-    environment variable MUJOCO_GL before it is imported (EGL, or the OSMesa library)."""
-    offscreen = os.environ.get("MUJOCO_GL") in ("egl", "osmesa")
-    if is_mujoco(env_id) and not offscreen and not os.environ.get("DISPLAY"):
-        raise UsageError(f"--video of {env_id} needs a display, or MuJoCo's offscreen drawing: "
-                         f"run with MUJOCO_GL=egl or MUJOCO_GL=osmesa")
 
 
 def pick_device(name: str) -> torch.device:
@@ -1772,9 +1741,23 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def make_run_dir(config: Config) -> Path:
+RUN_FILES = ("checkpoint.pt", "summary.json", "events.out.tfevents.*", "eval.mp4")
+
+
+def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
+    """The run dir, made and tested for writing. One that holds another run is refused, unless
+    --overwrite (which deletes that run's files first) or it is the folder being resumed."""
     default = f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}"
     run_dir = Path(config.run_dir or default)
+    resumed_here = (checkpoint is not None
+                    and Path(checkpoint["path"]).parent.resolve() == run_dir.resolve())
+    earlier_run = [path for pattern in RUN_FILES for path in run_dir.glob(pattern)]
+    if earlier_run and not resumed_here:
+        if not config.overwrite:
+            raise UsageError(f"--run-dir {run_dir} already holds a run: continue it with --resume "
+                             f"{run_dir}, or choose another --run-dir (--overwrite replaces it)")
+        for path in earlier_run:
+            path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -1787,22 +1770,6 @@ def make_run_dir(config: Config) -> Path:
 
 
 # ----- The command line ---------------------------------------------------------------------------
-
-
-def parse_config(argv=None) -> Config:
-    """The command line: one flag per Config field, with its default and explanation in --help."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kind = next(t for t in (bool, int, float, str)
-                    if t is f.type or t in typing.get_args(f.type))
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    return Config(**vars(parser.parse_args(argv)))
 
 
 def command_line(argv=None) -> int:

@@ -143,26 +143,25 @@ def test_merging_two_halves_gives_the_statistics_of_the_union():
     for chunk in data[:300].split(7):
         first.update(chunk)
     second.update(data[300:])
-    first.merge_moments(second.moments())
+    first.merge(second.count, second.mean, second.var)
     assert first.count == 1000
     assert torch.allclose(first.mean, data.mean(0), rtol=1e-12)
     assert torch.allclose(first.var, data.var(0, correction=0), rtol=1e-10)
 
 
 def test_observations_are_normalised_then_clipped():
-    normalizer = pc.Normalizer(pc.Config(obs_clip=1.0), obs_size=2, device=CPU, num_envs=3)
+    stats = pc.RunningMeanStd((2,), CPU)
     obs = torch.tensor([[1.0, 100.0], [2.0, 100.0], [3.0, -1000.0]])
-    out = normalizer.observations(obs)
-    stats = normalizer.obs_stats
+    out = stats.normalize(obs, clip=1.0)
     expected = ((obs.double() - stats.mean) / torch.sqrt(stats.var + 1e-8)).clamp(-1, 1)
     assert torch.allclose(out, expected.float()) and out.dtype == torch.float32
     assert out[2, 1] == -1.0 and stats.count == pytest.approx(3 + 1e-4)
-    frozen = normalizer.observations(obs, update=False)
+    frozen = stats.normalize(obs, clip=1.0, update=False)
     assert torch.equal(frozen, out) and stats.count == pytest.approx(3 + 1e-4)
 
 
 def test_reward_scaling_restarts_the_return_at_every_episode_end_truncation_included():
-    normalizer = pc.Normalizer(pc.Config(gamma=0.5, reward_clip=1.5), 1, CPU, num_envs=1)
+    return_stats, returns = pc.RunningMeanStd((), CPU), torch.zeros(1, dtype=torch.float64)
     rewards = [1.0, 2.0, 4.0]
     ended = [False, True, False]  # the 2nd step ends an episode (Pendulum: always by truncation)
     # By hand: R = 1, then 0.5 * 1 + 2 = 2.5 (the episode ends: R restarts), then 4 (not 5.25).
@@ -172,10 +171,11 @@ def test_reward_scaling_restarts_the_return_at_every_episode_end_truncation_incl
         delta = running_return - mean
         mean, var = mean + delta / total, (var * count + delta ** 2 * count / total) / total
         count = total
-        scaled = normalizer.rewards(torch.tensor([reward]), torch.tensor([end]))
+        scaled = return_stats.scale(torch.tensor([reward]), returns, torch.tensor([end]),
+                                    gamma=0.5, clip=1.5)
         assert scaled.item() == pytest.approx(min(reward / math.sqrt(var + 1e-8), 1.5), rel=1e-6)
-        assert normalizer.return_stats.mean.item() == pytest.approx(mean, rel=1e-9)
-        assert normalizer.returns.item() == (0.0 if end else running_return)
+        assert return_stats.mean.item() == pytest.approx(mean, rel=1e-9)
+        assert returns.item() == (0.0 if end else running_return)
     assert scaled.item() == 1.5  # the last one was clipped
 
 
@@ -218,7 +218,7 @@ def test_the_checkpoint_holds_the_statistics_eval_freezes_them_and_resume_restor
     saved = checkpoint["normalizer"]
     # Every observation the policy was given counts: the first of each game, then one per step.
     assert saved["obs"]["count"].item() == pytest.approx(1e-4 + 4 * (1 + 2 * 32))
-    assert torch.equal(saved["obs"]["mean"], main.normalizer.obs_stats.mean)
+    assert torch.equal(saved["obs"]["mean"], main.obs_stats.mean)
     assert saved["return"]["count"].item() == pytest.approx(1e-4 + 2 * BATCH)
 
     # --eval normalises with the saved statistics, and never updates them.
@@ -239,7 +239,7 @@ def test_the_checkpoint_holds_the_statistics_eval_freezes_them_and_resume_restor
     # --resume continues from the saved statistics.
     resumed = pc.Main(pc.Config(resume=str(run_dir / "checkpoint.pt"), total_timesteps=3 * BATCH))
     resumed.run()
-    assert resumed.normalizer.obs_stats.count == pytest.approx(1e-4 + 4 * (2 + 3 * 32))
+    assert resumed.obs_stats.count == pytest.approx(1e-4 + 4 * (2 + 3 * 32))
     assert checkpoint_of(run_dir)["global_step"] == 3 * BATCH
 
 
