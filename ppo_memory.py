@@ -548,7 +548,8 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
 
 class Minibatch(typing.NamedTuple):
     """Whole env sequences of the rollout (LSTM details, #4: minibatches split the envs, not the
-    steps, so that the memory can be rebuilt); per-step fields flattened to [T * B], time-major."""
+    steps, so that the memory can be rebuilt); the other per-step fields flattened to [T * B],
+    time-major."""
 
     inputs: torch.Tensor  # [window - 1 + T, B, input_size]: the model's input rows
     starts: torch.Tensor  # [window - 1 + T, B]: 1 where a step starts an episode

@@ -1,165 +1,160 @@
 """PPO for many agents with one shared policy (PettingZoo parallel envs, MPE2's simple_spread), in
-one file.
+one file: the PPO paper (Schulman et al., 2017) with the details of CleanRL and SB3 ("The 37
+Implementation Details of PPO", Huang et al., 2022: "37 details") and of MAPPO (Yu et al., 2022:
+"MAPPO paper"), each named where it is implemented.
 
-Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the implementation details
-of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022:
-"37 details") and of MAPPO ("The Surprising Effectiveness of PPO in Cooperative Multi-Agent Games",
-Yu et al., 2022: "MAPPO paper"), each named where it is implemented.
+PPO plays a rollout with the current policy, learns from it for several epochs of minibatch steps,
+and clips the probability ratio rho_t = pi(a_t|s_t) / pi_old(a_t|s_t) so that the new policy stays
+near the one that played (`Trainer.ppo_loss` derives it); the advantages come from the rewards r_t
+by GAE (`compute_gae` derives it). Many agents: one network plays every agent of every env
+("parameter sharing"), each agent's step one more row of the batch. The critic sees the env's
+global state and the agent's id (`--central-value`, MAPPO's centralised critic) or the agent's own
+observation (independent PPO); `--agent-id` shows the policy the id too. Agents absent from their
+env (done early, or not yet there) are masked out of every loss and statistic. Returns are per
+agent (the mean over an env's agents) and per team (their sum).
 
-The idea. A policy-gradient method improves a policy with games the policy itself just played; the
-games then describe an older policy, so plain policy gradient uses each batch once. PPO reuses each
-batch ("rollout") for several epochs of minibatch steps, and keeps the new policy near the one that
-collected the data by clipping the probability ratio r_t = pi(a_t | s_t) / pi_old(a_t | s_t) in its
-objective (PPO paper, eq. 7), so that a step gains nothing by moving r_t beyond [1 - eps, 1 + eps]:
-
-    L_clip = mean_t min( r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t )
-
-The advantage A_t says how much better action a_t did than the value V(s_t) expected. Generalized
-Advantage Estimation (GAE, Schulman et al., 2016) weighs the one-step errors of V by gamma * lambda:
-
-    A_t = sum_k (gamma lambda)^k delta_(t+k),   delta_t = r_t + gamma V(s_(t+1)) - V(s_t)
-
-Many agents. Every agent of every env copy is played by the same network ("parameter sharing"):
-each agent's step is one more row of the batch, with its own observation, reward and advantage, so
-three agents give three times the data of one. Two choices stay open (MAPPO paper, section 4): the
-value function sees the agent's own observation ("independent PPO") or the env's global state
-(`--central-value`: a centralised critic); and an agent may see a one-hot of its own index
-(`--agent-id`). Agents that leave before the others (dead) or come later are masked out of every
-loss and statistic.
-
-Read it top to bottom: `Config`, `Game` (one env, all its agents), `Worker` (Games in a child
-process), `Model`, `compute_gae` and `Trainer` (a clipped PPO step), `Main` (the loop). PPO is
-complete at the banner; below it, the machinery: torchrun, bookkeeping, checkpoints, evaluation,
-the CLI.
-
-Run it:         python ppo_multiagent.py        (MPE2 simple_spread_v3; --help lists every flag)
+Run it:         python ppo_multiagent.py   (MPE2 simple_spread_v3; --help lists every flag)
 Another env:    python ppo_multiagent.py --env mpe2.simple_spread_v3 --env-kwargs N=5
-On N GPUs:      torchrun --standalone --nproc_per_node N ppo_multiagent.py  (data parallel: `Ranks`)
+On N GPUs:      torchrun --standalone --nproc_per_node N ppo_multiagent.py  (data parallel)
 In a notebook:  from ppo_multiagent import Config, Main; Main(Config(total_timesteps=60_000)).run()
                 (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
 """
 
 import argparse
-import ast
-import copy
 import dataclasses
-import hashlib
-import importlib
-import json
+import difflib
 import math
-import multiprocessing.connection  # (binds `multiprocessing` too)
-import os
-import random
-import signal
+import multiprocessing
+import pkgutil
 import sys
-import threading
-import time
 import typing
-from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
-from pathlib import Path
 from typing import Optional
-
-import gymnasium as gym
-import numpy as np
-import torch
-import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
-import torch.nn as nn
 
 SCRIPT = "ppo_multiagent"
 
 
-def option(default, help):
-    """A Config field with its one-line explanation, which `--help` prints."""
-    return field(default=default, metadata={"help": help})
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+
+
+def option(default, help, check=None):
+    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
+    return field(default=default, metadata={"help": help, "check": check})
 
 
 @dataclass
 class Config:
-    """Every setting of a run. Each field is also a command-line flag (`num_envs` -> `--num-envs`).
-    The defaults learn simple_spread fastest of those tried (benchmarks/README.md). Steps count
-    agent steps: one agent acting once is one step, as Stable-Baselines3 with SuperSuit counts."""
+    """Every setting of a run, each also a flag (`num_envs` -> `--num-envs`); the defaults learn
+    simple_spread fastest (benchmarks/README.md). A step is one agent acting once (as in SB3)."""
 
     # PPO's hyperparameters.
-    learning_rate: float = option(2e-3, "Adam step size at the start, annealed linearly to 0")
+    learning_rate: float = option(2e-3, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.95, "discount factor: 0.95 looks ~20 steps ahead, about an episode")
-    gae_lambda: float = option(0.95, "GAE lambda: bias (0) vs variance (1) of the advantage")
-    num_minibatches: int = option(2, "minibatches each rollout is split into")
-    update_epochs: int = option(10, "passes over each rollout")
-    clip_coef: float = option(0.2, "PPO's clip range for the probability ratio")
+    gamma: float = option(0.95, "discount: 0.95 looks ~20 steps ahead, about an episode", "(0, 1]")
+    gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
+    num_minibatches: int = option(2, "minibatches each rollout is split into", "> 0")
+    update_epochs: int = option(10, "passes over each rollout", "> 0")
+    clip_coef: float = option(0.2, "PPO's clip range for the probability ratio", "> 0")
     clip_value_loss: bool = option(False, "clip the value update too")
-    ent_coef: float = option(0.01, "weight of the entropy bonus")
-    vf_coef: float = option(0.5, "weight of the value loss")
-    max_grad_norm: float = option(10.0, "clip the global gradient norm to this (MAPPO: 10)")
-    target_kl: Optional[float] = option(None, "stop an update's epochs once approx KL exceeds this")
-    hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs")
+    ent_coef: float = option(0.01, "weight of the entropy bonus", ">= 0")
+    vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
+    max_grad_norm: float = option(10.0, "clip the global gradient norm to this (MAPPO: 10)", "> 0")
+    target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
+    hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs", "> 0")
     agent_id: bool = option(False, "show each agent a one-hot of its index (the policy's input)")
-    central_value: bool = option(
-        True, "the value function sees the env's global state and the agent's one-hot index "
-        "(MAPPO); off: the agent's own observation (independent PPO)")
+    central_value: bool = option(True, "the critic sees the global state and agent id (MAPPO)")
 
     # Collecting experience.
     env: str = option("mpe2.simple_spread_v3", "PettingZoo parallel env, as module.name")
     env_kwargs: str = option("", "the env's own options, e.g. N=5,local_ratio=0.3")
-    num_envs: int = option(16, "env copies played side by side (by each rank, under torchrun)")
-    num_workers: int = option(2, "child processes that run the envs (0 = in this process)")
-    num_steps: int = option(25, "env steps per env copy in each rollout")
+    num_envs: int = option(16, "envs played side by side (by each rank, under torchrun)", "> 0")
+    num_workers: int = option(2, "child processes that run the envs (0 = in this process)", ">= 0")
+    num_steps: int = option(25, "env steps per env in each rollout", "> 0")
 
     # The run.
-    seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i")
-    total_timesteps: int = option(600_000, "agent steps over all agents, envs (and ranks)")
+    seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
+    total_timesteps: int = option(600_000, "agent steps over all agents, envs (and ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
     run_dir: Optional[str] = option(
         None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
-    target_return: Optional[float] = option(
-        None, "stop at this mean return per agent of 100 episodes")
-    checkpoint_every: int = option(200_000, "save a checkpoint every this many steps, and last")
-    resume: Optional[str] = option(None, "continue training from this checkpoint")
-    eval: Optional[str] = option(None, "play --eval-episodes episodes with this checkpoint")
-    eval_episodes: int = option(10, "episodes played by --eval")
+    overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
+    target_return: Optional[float] = option(None, "stop when 100 episodes average this per agent")
+    checkpoint_every: int = option(200_000, "save a checkpoint every this many steps", "> 0")
+    resume: Optional[str] = option(None, "continue training from this checkpoint or run folder")
+    eval: Optional[str] = option(None, "play --eval-episodes episodes with this checkpoint or run")
+    eval_episodes: int = option(10, "episodes played by --eval", "> 0")
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the episodes into the run dir")
     compile: bool = option(False, "torch.compile (off: networks this small gain nothing)")
 
 
-class Game:
-    """One copy of a PettingZoo parallel env, every agent of which the one shared policy plays:
-    every value below is an array over the env's agent slots (its `possible_agents`, in order).
+def parse_config(argv=None) -> Config:
+    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
+    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
-    - An agent's row is what the network reads: its own observation (flat, float32); with
-      --agent-id a one-hot of its slot, so that agents that see alike can still act differently;
-      with --central-value then the env's global state and the one-hot again, for the critic
-      (`Model` splits the row in two).
-    - An agent can be absent: done before the others, or not yet arrived. Its row is zeros and
-      `present` says so; the trainer keeps such rows out of everything it learns from.
-    - When an agent's episode ends, `info["final_rows"]` holds its last row (`info["_final_rows"]`
-      marks which), so that the trainer can bootstrap from it when a time limit cut the episode.
-    - When every agent is done, the env restarts in the same step, and `info["episode"]` reports
-      the episode: the return per agent (the mean over its agents), the team's (their sum) and the
-      length in env steps.
-    """
+    def refuse(message: str):
+        typed = [word for word in message.split() if word.startswith("--")]
+        close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
+        hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
+        print(f"error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+    def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
+        try:
+            number = float(text.replace("_", ""))
+        except ValueError:
+            number = math.nan
+        if not number.is_integer():
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
+        return int(number)
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.error = refuse
+    for flag, f in flags.items():
+        kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
+        parser.add_argument(flag, default=f.default, help=f.metadata["help"],
+                            **({"action": argparse.BooleanOptionalAction} if kind is bool else
+                               {"type": whole_number if kind is int else kind}))
+    return Config(**vars(parser.parse_args(argv)))
+
+
+if __name__ == "__main__" and "__file__" in globals():
+    parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+class Game:
+    """One PettingZoo parallel env, all of whose agents the shared policy plays; each value below is
+    an array over its agent slots (`possible_agents`). An agent's row is what the network reads:
+    its observation; with --agent-id a one-hot of its slot (so that alike agents can act apart);
+    with --central-value then the env's global state and the one-hot again, the critic's input.
+    An absent agent (done before the others, or not yet there) has a row of zeros and `present`
+    False. `info["final_obs"]` holds the last rows of the agents whose episode ended (`_final_obs`
+    marks them), to bootstrap from if a time limit cut it. When all are done, the env restarts in
+    the same step; `info["episode"]` has the return per agent (their mean), per team, the length."""
 
     def __init__(self, env_id: str, seed: int, env_kwargs: Optional[dict] = None,
                  agent_id: bool = False, central_value: bool = False,
                  render_mode: Optional[str] = None):
-        self.env = make_env(env_id, env_kwargs or {}, render_mode)
+        # --env names what has parallel_env(), e.g. the module mpe2.simple_spread_v3
+        options = {"render_mode": render_mode} if render_mode else {}  # (only when asked for)
+        self.env = pkgutil.resolve_name(env_id).parallel_env(**(env_kwargs or {}), **options)
         self.agents = list(self.env.possible_agents)
         self.num_agents = len(self.agents)
         self.seed, self.agent_id, self.central_value = seed, agent_id, central_value
         self.one_hot = np.eye(self.num_agents, dtype=np.float32)
-        self.present = np.zeros(self.num_agents, dtype=bool)
-        self.returns = np.zeros(self.num_agents)
-        self.ever_present = np.zeros(self.num_agents, dtype=bool)
-        self.length = 0
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the env's own random stream, so each
-        # episode differs and the whole run is still fixed by the seed.
+        # Seed only the first reset: later restarts continue the env's own random stream.
         observations, _ = self.env.reset(seed=self.seed)
-        self.seed = None
-        self.returns[:], self.ever_present[:], self.length = 0, False, 0
+        self.seed, self.length = None, 0
+        self.returns, self.ever_present = np.zeros(self.num_agents), np.zeros(self.num_agents, bool)
         return self.observe(observations)
 
     def observe(self, observations: dict) -> np.ndarray:
@@ -171,14 +166,12 @@ class Game:
     def rows(self, observations: dict, which: np.ndarray) -> np.ndarray:
         """Each agent's row [num_agents, row size] for the agents `which` marks; zeros elsewhere."""
         state = np.asarray(self.env.state(), np.float32).ravel() if self.central_value else None
-        rows = []
-        for slot, agent in enumerate(self.agents):
-            parts = [np.asarray(observations[agent], np.float32).ravel()] if which[slot] else []
-            parts += [self.one_hot[slot]] if self.agent_id and which[slot] else []
-            parts += [state, self.one_hot[slot]] if self.central_value and which[slot] else []
-            rows.append(np.concatenate(parts) if parts else None)
-        size = next(len(row) for row in rows if row is not None)
-        return np.stack([np.zeros(size, np.float32) if row is None else row for row in rows])
+        rows = {slot: np.concatenate([np.asarray(observations[agent], np.float32).ravel()]
+                                     + [self.one_hot[slot]] * self.agent_id
+                                     + [state, self.one_hot[slot]] * self.central_value)
+                for slot, agent in enumerate(self.agents) if which[slot]}
+        absent = np.zeros(len(next(iter(rows.values()))), np.float32)
+        return np.stack([rows.get(slot, absent) for slot in range(self.num_agents)])
 
     def step(self, actions: np.ndarray):
         """One env step: `actions` holds one action per slot (those of absent agents are unused)."""
@@ -188,13 +181,10 @@ class Game:
         reward = np.array([rewards.get(agent, 0.0) for agent in self.agents], np.float32)
         terminated = np.array([bool(terminations.get(agent, False)) for agent in self.agents])
         truncated = np.array([bool(truncations.get(agent, False)) for agent in self.agents])
-        self.returns += reward
-        self.length += 1
-        info = {}
-        ended = terminated | truncated
+        self.returns, self.length = self.returns + reward, self.length + 1
+        info, ended = {}, terminated | truncated
         if ended.any():
-            info["_final_rows"] = ended
-            info["final_rows"] = self.rows(observations, ended)
+            info["_final_obs"], info["final_obs"] = ended, self.rows(observations, ended)
         if self.env.agents:
             return self.observe(observations), reward, terminated, truncated, info
         played = self.returns[self.ever_present]  # every agent is done: the episode is over
@@ -202,156 +192,65 @@ class Game:
                            "length": self.length}
         return self.reset(), reward, terminated, truncated, info
 
-    def render(self) -> np.ndarray:
-        return self.env.render()
-
-    def close(self):
-        self.env.close()
-
-
-def step_games(games: list, actions: np.ndarray, rows_out: np.ndarray) -> tuple:
-    """Step each Game with its agents' actions and write the rows into `rows_out`: row
-    game * num_agents + slot holds that agent of that game (the batch layout). Return the rest, by
-    row: rewards, flags, which agents are present now, the final rows of the agents whose episode
-    ended, and by game index the statistics of the episodes that ended."""
-    size = len(rows_out)
-    rewards = np.empty(size, dtype=np.float32)
-    terminated, truncated, present = (np.empty(size, dtype=bool) for _ in range(3))
-    final_rows, episodes = {}, {}
-    for index, game in enumerate(games):
-        rows = slice(index * game.num_agents, (index + 1) * game.num_agents)
-        rows_out[rows], rewards[rows], terminated[rows], truncated[rows], info = game.step(
-            actions[rows])
-        present[rows] = game.present
-        for slot in np.flatnonzero(info.get("_final_rows", ())):
-            final_rows[rows.start + slot] = info["final_rows"][slot]
-        if "episode" in info:
-            episodes[index] = info["episode"]
-    return rewards, terminated, truncated, present, final_rows, episodes
-
 
 class Worker:
-    """Runs a few Games, either in a child process or, with `in_process=True`, right here.
+    """Runs several Games in a (forked) child process, so that envs play on several cores. Actions
+    go through a pipe, and rewards, flags and ended episodes come back; the rows, the one large
+    array, skip the pipe: the child writes them into shared memory (`obs_view`, read by the trainer
+    as a tensor without a copy). `GuardedWorker` (below the banner) adds what a long run needs: a
+    child that dies or fails is reported at once, Ctrl-C is the trainer's, none outlives it."""
 
-    The trainer sends the actions through a `multiprocessing` pipe; the child steps its Games and
-    answers with rewards, flags and finished-episode statistics. The rows, the one large array, skip
-    the pipe: the child writes them into shared memory (`rows_view`, a numpy view over a
-    `multiprocessing.shared_memory` block that the trainer reads as a tensor without a copy).
-
-    Children are forked: they inherit the shared memory and start in milliseconds, instead of
-    importing torch again. A child ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-    group; the trainer decides how to stop) and exits by itself when the trainer's end of its pipe
-    closes, so a trainer that dies, however, never leaves a worker behind.
-    """
-
-    def __init__(self, index: int, env_id: str, seeds: list, game_options: dict,
-                 rows_view: np.ndarray, in_process: bool, inherited_trainer_ends: list):
-        self.index = index
-        self.env_id = env_id
-        self.rows_view = rows_view
-        self.in_process = in_process
-        if in_process:
-            self.games = [Game(env_id, seed, **game_options) for seed in seeds]
-            self.present = Worker.reset_games(self.games, rows_view)
-            return
+    def __init__(self, index: int, env_id: str, seeds: list, options: dict, obs_view: np.ndarray):
+        self.index, self.env_id, self.obs_view = index, env_id, obs_view
         self.trainer_end, child_end = multiprocessing.Pipe()
-        context = multiprocessing.get_context("fork")
-        self.process = context.Process(
-            target=Worker.child_main,
-            args=(child_end, [self.trainer_end, *inherited_trainer_ends], env_id, seeds,
-                  game_options, rows_view),
+        self.process = multiprocessing.get_context("fork").Process(
+            target=self.child_loop, args=(child_end, seeds, options),
             name=f"{SCRIPT}-worker-{index}", daemon=True)
         self.process.start()
         child_end.close()
         self.present = self.receive()  # the child's first answer comes once its Games are reset
 
     @staticmethod
-    def reset_games(games: list, rows_view: np.ndarray) -> np.ndarray:
-        """Reset every Game into its rows; return which agents are present."""
-        num_agents = games[0].num_agents
+    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
+        """Step each Game; row game * num_agents + slot of `obs_out` gets that agent's row (the
+        batch layout). Returns the rest by row (rewards, flags, who is present now, final rows of
+        the agents whose episode ended) and the ended episodes by game index."""
+        rewards = np.empty(len(obs_out), dtype=np.float32)
+        terminated, truncated, present = (np.empty(len(obs_out), dtype=bool) for _ in range(3))
+        final_obs, episodes = {}, {}
         for index, game in enumerate(games):
-            rows_view[index * num_agents:(index + 1) * num_agents] = game.reset()
-        return np.concatenate([game.present for game in games])
+            rows = slice(index * game.num_agents, (index + 1) * game.num_agents)
+            obs_out[rows], rewards[rows], terminated[rows], truncated[rows], info = game.step(
+                actions[rows])
+            present[rows] = game.present
+            for slot in np.flatnonzero(info.get("_final_obs", ())):
+                final_obs[rows.start + slot] = info["final_obs"][slot]
+            if "episode" in info:
+                episodes[index] = info["episode"]
+        return rewards, terminated, truncated, present, final_obs, episodes
 
-    @staticmethod
-    def child_main(conn, trainer_ends, env_id, seeds, game_options, rows_view):
-        """The loop of the child process: step the Games on each command until told to stop."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # A forked child holds copies of every pipe end the trainer had. Closing the trainer's ends
-        # makes a recv() here fail with EOFError as soon as the trainer is gone.
-        for end in trainer_ends:
-            end.close()
-        try:
-            games = [Game(env_id, seed, **game_options) for seed in seeds]
-            conn.send(("ok", Worker.reset_games(games, rows_view)))
-            while True:
-                command, actions = conn.recv()
-                if command == "close":
-                    break
-                conn.send(("ok", step_games(games, actions, rows_view)))
-        except (EOFError, BrokenPipeError, KeyboardInterrupt):
-            pass  # the trainer is gone or stopping: just exit
-        except Exception as error:
-            try:
-                conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
-        finally:
-            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+    def child_loop(self, conn, seeds: list, options: dict):
+        """The child process: make and reset the Games, then step them until told to stop."""
+        games = [Game(self.env_id, seed, **options) for seed in seeds]  # Game i: seeds[i]
+        self.obs_view[:] = np.concatenate([game.reset() for game in games])
+        conn.send(("ok", np.concatenate([game.present for game in games])))
+        while (command := conn.recv())[0] == "step":
+            conn.send(("ok", self.step_games(games, command[1], self.obs_view)))
 
     def send_step(self, actions: np.ndarray):
-        if self.in_process:
-            self.actions = actions
-            return
-        try:
-            self.trainer_end.send(("step", actions))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
+        self.trainer_end.send(("step", actions))
 
-    def receive(self, timeout: float = 120.0):
-        """The result of the last `send_step`. Waits on the pipe and on the process at once, so a
-        child that dies is noticed at once instead of blocking `recv()` forever."""
-        if self.in_process:
-            return step_games(self.games, self.actions, self.rows_view)
-        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
-        if self.trainer_end in ready:
-            try:
-                status, payload = self.trainer_end.recv()
-            except (EOFError, OSError):
-                status, payload = "dead", None
-            if status == "ok":
-                return payload
-            if status == "error":
-                raise WorkerError(f"worker {self.index} ({self.env_id}) failed: {payload}")
-        name = f"worker {self.index} ({self.env_id})"
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
-        self.process.join(timeout=1.0)
-        code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
-        raise WorkerError(f"{name} died ({how})")
+    def receive(self):  # the child's answer to the last command (the rows are in obs_view by then)
+        return self.trainer_end.recv()[1]
 
     def close(self):
-        if self.in_process:
-            for game in self.games:
-                game.close()
-            return
-        try:
-            self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
-        self.trainer_end.close()
-        self.process.join(timeout=2.0)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self.trainer_end.send(("close", None))
+        self.process.join()
 
 
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
-    """A linear layer with orthogonal weights of the given gain and zero biases (37 details, #2: the
-    hidden layers get sqrt(2), the policy output 0.01 so that all actions start equally likely, the
-    value output 1)."""
+    """A linear layer: orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2)
+    in hidden layers; 0.01 at the policy output, all actions starting equally likely; 1 at V)."""
     linear = nn.Linear(in_size, out_size)
     nn.init.orthogonal_(linear.weight, gain)
     nn.init.zeros_(linear.bias)
@@ -360,34 +259,20 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 
 class Model(nn.Module):
     """The actor-critic shared by all agents: a policy MLP and a separate value MLP, both 64-64 tanh
-    (37 details, #13).
-
-    A row (see `Game`) is [observation, one-hot id?] for the policy, followed with --central-value
-    by [global state, one-hot id] for the critic. The policy reads the first `policy_size` columns.
-    The critic reads the rest with --central-value (MAPPO paper, section 4: a centralised value
-    function; the one-hot tells it whose value it gives, since rewards may differ per agent), else
-    the same columns as the policy (independent PPO). Either way the policy acts on what its agent
-    sees alone, so the trained agents need no global state to play.
-
-    Value normalisation (MAPPO paper, suggestion 1): the critic's output is in units of the running
-    mean and standard deviation of the value targets (`return_mean`, `return_std`, kept by the
-    Trainer), and `value` turns it back into a return. simple_spread's targets (about -1 a step,
-    over 1 / (1 - gamma) steps, since a time-limit cut is bootstrapped) lie far from what a freshly
-    initialised output layer gives; normalised, the critic fits them within a few updates.
-    """
+    (37 details, #13). The policy reads a row's first `policy_size` columns (see `Game`): what its
+    agent sees alone. The critic reads the rest with --central-value (MAPPO paper, section 4: the
+    global state, and the one-hot of whose value it is), else the policy's columns. Value
+    normalisation (MAPPO, suggestion 1): the critic's output is in units of the running mean and
+    std of the value targets (buffers, kept by the Trainer), so targets far from 0 fit at once."""
 
     def __init__(self, policy_size: int, value_size: int, num_actions: int,
                  central_value: bool, hidden_size: int = 64):
         super().__init__()
         self.policy_size, self.central_value = policy_size, central_value
-        self.critic = nn.Sequential(
-            layer(value_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, 1, gain=1.0))
-        self.actor = nn.Sequential(
-            layer(policy_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, num_actions, gain=0.01))
+        mlp = lambda inputs, outputs, gain: nn.Sequential(  # noqa: E731
+            layer(inputs, hidden_size), nn.Tanh(), layer(hidden_size, hidden_size), nn.Tanh(),
+            layer(hidden_size, outputs, gain))
+        self.critic, self.actor = mlp(value_size, 1, 1.0), mlp(policy_size, num_actions, 0.01)
         # Buffers, not parameters: saved with the weights, never moved by the optimizer.
         self.register_buffer("return_mean", torch.zeros(()))
         self.register_buffer("return_std", torch.ones(()))
@@ -402,13 +287,9 @@ class Model(nn.Module):
         return torch.log_softmax(self.actor(rows[:, :self.policy_size]), dim=-1)
 
     def act(self, rows: torch.Tensor, greedy: bool = False):
-        """Choose actions for a batch of rows: (actions [batch], their log-probabilities, the
-        values)."""
+        """Choose actions for a batch of rows: (actions, their log-probabilities, the values)."""
         log_probs = self.log_probs(rows)
-        if greedy:
-            actions = log_probs.argmax(-1)
-        else:
-            actions = torch.multinomial(log_probs.exp(), 1).squeeze(-1)
+        actions = log_probs.argmax(-1) if greedy else torch.multinomial(log_probs.exp(), 1)[:, 0]
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         return actions, log_prob, self.value(rows)
 
@@ -424,18 +305,27 @@ class Model(nn.Module):
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
     """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
 
-    rewards, values, dones: [T, N] (time, row: here one row per agent of each env); last_value:
-    [N], the value of the row after the last step. `dones[t] = 1` when the agent's episode ended at
-    step t, after action t, by termination or truncation (or when the agent was absent at step t);
-    for a truncated episode the trainer has already added gamma * V(final row) to rewards[t], so
-    cutting the sum there is right in both cases. Returns the advantages [T, N]; the value targets
-    are advantages + values.
+    rewards, values, dones: [T, N] (time, row: an agent of an env); last_value: [N], the value after
+    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
 
-    Readers who know CleanRL: its `dones[t]` means "obs[t] starts a new episode", one step later
-    than here; the two give the same advantages.
+    The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
+    expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
 
-        $\\delta_t = r_t + \\gamma V(s_{t+1}) (1 - d_t) - V(s_t)$
-        $\\hat{A}_t = \\delta_t + \\gamma \\lambda (1 - d_t) \\hat{A}_{t+1}$
+        A_t^(k) = sum_(l<k) gamma^l delta_(t+l)
+                = sum_(l<k) gamma^l r_(t+l) + gamma^k V(s_(t+k)) - V(s_t)
+
+    trade bias for variance: few steps lean on V (biased wherever V is wrong), many on the sampled
+    rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
+    (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
+
+        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
+                  = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
+
+    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
+    (d_t) when the agent's episode ended at step t, after action t (terminated or truncated), or
+    the agent was absent: it cuts the sum there; for a truncation the trainer has already added
+    gamma * V(final row) to rewards[t]. Readers who know CleanRL: its `dones[t]` means "obs[t]
+    starts a new episode", one step later than here; the advantages are the same.
     """
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(last_value)
@@ -461,71 +351,94 @@ class Minibatch(typing.NamedTuple):
     mask: torch.Tensor  # 1 where an agent was present and acted, 0 for an absent agent's row
 
 
+class Rollout:
+    """The rollout buffer, [num_steps, rows] (a row per agent of each env), on the device."""
+
+    def __init__(self, config: Config, num_agents: int, row_size: int, device: torch.device):
+        shape = (config.num_steps, config.num_envs * num_agents)
+        self.obs = torch.zeros(shape + (row_size,), device=device)
+        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(shape, device=device)
+        self.values = torch.zeros(shape, device=device)
+        self.rewards = torch.zeros(shape, device=device)
+        self.dones = torch.zeros(shape, device=device)
+        self.mask = torch.zeros(shape, device=device)  # 1 where the agent is present
+
+    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
+        """The rows of flat indices (step * rows + env * num_agents + slot)."""
+        return Minibatch(self.obs.flatten(0, 1)[indices], self.actions.flatten()[indices],
+                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
+                         returns.flatten()[indices], self.values.flatten()[indices],
+                         self.mask.flatten()[indices])
+
+
 class Trainer:
-    """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
-    bonus, and a gradient step with the global gradient norm clipped. Every mean is over the rows
-    of present agents only (`mask`): an absent agent's padded row never reaches a loss, the
-    advantage normalisation, the entropy or a diagnostic."""
+    """One PPO step on one minibatch: clipped surrogate, value loss, entropy bonus, a gradient step
+    with the global norm clipped. An absent agent's row (`mask` 0) reaches none of them."""
 
-    def __init__(self, model: Model, config: Config, ranks: Optional["Ranks"] = None):
-        self.model, self.config, self.ranks = model, config, ranks
-        # Adam (written out below the banner) with eps 1e-5 instead of 1e-8 (37 details, #3).
+    def __init__(self, model: Model, config: Config):
+        self.model, self.config = model, config
+        # Adam, eps 1e-5 (37 details, #3), written out below: torch.optim's first use costs ~1 s.
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
-
-    @staticmethod
-    def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The mean of `values` over the rows where `mask` is 1 (0 when there is none)."""
-        return (values * mask).sum() / mask.sum().clamp(min=1)
+        self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @torch.no_grad()
-    def track_returns(self, returns: torch.Tensor, mask: torch.Tensor):
-        """Fold a rollout's value targets (those of present agents) into the running mean and
-        standard deviation that normalise the critic's output (`Model`); under torchrun, those of
-        every rank, so that all ranks hold the same statistics. Chan et al.'s parallel update of
-        count, mean and variance: the statistics of all targets seen so far."""
-        targets = returns[mask > 0].double()
-        count = float(targets.numel())
-        sums = [count, targets.sum().item(), (targets ** 2).sum().item()]
-        if self.ranks is not None:
-            sums = self.ranks.mean(sums)  # (means of sums: the ratios below are the same)
-        count, mean = sums[0], sums[1] / max(sums[0], 1.0)
-        variance = max(sums[2] / max(sums[0], 1.0) - mean ** 2, 0.0)
-        model = self.model
+    def track_returns(self, targets: torch.Tensor, over_ranks):
+        """Fold value targets (every rank's, under torchrun) into the critic's running mean and std
+        (Model's buffers), by Chan et al.'s parallel merge of (count, mean, variance)."""
+        targets, model = targets.double(), self.model
+        count, total, squares = over_ranks(
+            [float(targets.numel()), targets.sum().item(), (targets ** 2).sum().item()])
+        mean = total / max(count, 1.0)
+        var = max(squares / max(count, 1.0) - mean ** 2, 0.0)
         seen, seen_mean = model.return_count.item(), model.return_mean.item()
-        total = seen + count
-        if total == 0:
-            return
-        delta = mean - seen_mean
-        squares = (model.return_std.item() ** 2 * seen + variance * count
-                   + delta ** 2 * seen * count / total)
-        model.return_mean.fill_(seen_mean + delta * count / total)
-        model.return_std.fill_(max(math.sqrt(squares / total), 1e-3))
-        model.return_count.fill_(total)
+        if seen + count > 0:
+            merged, delta = seen + count, mean - seen_mean
+            squares = (model.return_std.item() ** 2 * seen + var * count
+                       + delta ** 2 * seen * count / merged)
+            model.return_mean.fill_(seen_mean + delta * count / merged)
+            model.return_std.fill_(max(math.sqrt(squares / merged), 1e-3))
+            model.return_count.fill_(merged)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config,
                  value_scale: torch.Tensor):
-        """The PPO loss and its diagnostics, from a minibatch and what the current weights make of
-        it (all [batch]); value_scale: the standard deviation of the value targets."""
-        mask, mean = minibatch.mask, Trainer.masked_mean
-        # Advantage normalisation per minibatch (37 details, #7), over the present agents' rows.
-        # torch.where, not a product: a padded row's numbers take no part, not even as 0 * inf.
+        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
+        it (all [batch]; value_scale: the standard deviation of the value targets): the negated
+        objective, to be minimised.
+
+        Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
+        gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
+        rho_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. At
+        theta = theta_old its gradient is the plain policy gradient; further away it lets one
+        rollout serve several epochs, but the estimate worsens as the policies part (other states
+        would be visited; rho_t's variance grows). Why clip: TRPO bounds the move with a KL
+        constraint; PPO (paper, eq. 7) stops rewarding it beyond [1 - eps, 1 + eps]:
+
+            L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
+
+        Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
+        rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
+        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
+        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
+        smaller one, and its gradient pulls back.
+        """
+        mask = minibatch.mask
+        mean = lambda values, mask: (values * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+        # Every mean is over the present agents' rows; torch.where, not a product, keeps an absent
+        # agent's numbers out, even as 0 * inf. Advantage normalisation (37 details, #7):
         advantages = torch.where(mask > 0, minibatch.advantages, 0.0)
         centred = advantages - mean(advantages, mask)
         std = (mean(centred ** 2, mask) * mask.sum() / (mask.sum() - 1).clamp(min=1)).sqrt()
         advantages = torch.where(mask > 0, centred / (std + 1e-8), 0.0)
 
-        # The clipped surrogate (PPO paper, eq. 7): the probability ratio r = pi_new / pi_old may
-        # move the objective only within [1 - clip, 1 + clip]; the max of the two negated terms is
-        # the pessimistic (min) bound of the paper. 37 details, #8.
+        # L_clip, negated: the max of the negated terms is the min above (37 details, #8).
         log_ratio = torch.where(mask > 0, new_log_probs - minibatch.old_log_probs, 0.0)
-        ratio = log_ratio.exp()
+        ratio = log_ratio.exp()  # rho_t
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = mean(torch.max(-advantages * ratio, -advantages * clipped_ratio), mask)
 
-        # Value loss (37 details, #9): squared error to the GAE returns, in units of their standard
-        # deviation (value normalisation, see Model); optionally clipped like the policy, around
-        # the values of the rollout.
+        # Value loss (37 details, #9) in units of the targets' std (Model), optionally clipped.
         returns = torch.where(mask > 0, minibatch.returns, 0.0) / value_scale
         old_values = torch.where(mask > 0, minibatch.old_values, 0.0) / value_scale
         new_values = torch.where(mask > 0, new_values, 0.0) / value_scale
@@ -541,8 +454,8 @@ class Trainer:
         entropy_mean = mean(entropy, mask)
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
 
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator (r - 1) - log r
-        # (Schulman, "Approximating KL divergence", 2020) and the share of samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL by (rho_t - 1) - log rho_t (Schulman,
+        # "Approximating KL divergence", 2020), and the share of samples the clip touched.
         with torch.no_grad():
             approx_kl = mean((ratio - 1) - log_ratio, mask)
             clip_fraction = mean(((ratio - 1).abs() > config.clip_coef).float(), mask)
@@ -562,41 +475,45 @@ class Trainer:
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
-        if self.ranks is not None:
-            self.ranks.average_gradients(self.model.parameters())
-        # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
-        # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
+        self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
+        # Global gradient clipping (37 details, #11): a rare huge step cannot undo the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
         self.optimizer.step()
         return stats
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 when V predicts the present agents' returns perfectly, 0 when not at all (or constant)."""
+    values, returns = values[mask > 0], returns[mask > 0]
+    if len(returns) < 2 or (returns_variance := returns.var().item()) == 0:
+        return 0.0
+    return 1 - (returns - values).var().item() / returns_variance
+
+
 class Main:
     """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's episodes) and
-    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps in each of
-    num_envs env copies with the current policy, every agent a row of the batch; estimate each
-    agent step's advantage with GAE; then take update_epochs passes over the rollout in shuffled
-    minibatches, one clipped gradient step each. The `RunGuard` (below the banner) sets up, logs,
-    saves and stops, so `train` reads as PPO."""
+    returns the summary as a dict. The `RunGuard` (below the banner) sets up, logs, saves and
+    stops, so that `train` reads as PPO (37 details, #6)."""
 
     def __init__(self, config: Config):
         self.config = config
         self.guard = None
+        self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
 
     def run(self) -> dict:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
 
     def train(self) -> dict:
-        self.guard = guard = RunGuard(self)  # settings, torchrun, seeds, Ctrl-C, failures, saving
-        with guard:
+        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+        with self.guard as guard:
             config = self.config  # (the checkpoint's settings, when resuming)
             self.model = Model(guard.policy_size, guard.value_size, guard.spec.num_actions,
-                               config.central_value, config.hidden_size)
-            self.trainer = Trainer(self.model.to(guard.device), config, guard.ranks)
+                               config.central_value, config.hidden_size).to(guard.device)
+            self.trainer = Trainer(self.model, config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
             self.games = guard.start_games()  # Workers; rows through shared memory
-            self.rollout = Rollout(config, guard.batch_rows, guard.row_size, guard.device)
+            self.rollout = Rollout(config, guard.spec.num_agents, guard.row_size, guard.device)
             next_obs = self.games.observations()
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
@@ -610,41 +527,38 @@ class Main:
 
     def anneal_learning_rate(self):
         """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts, so that a resumed run continues it."""
-        config = self.config
-        if config.anneal_lr:
-            progress = self.global_step / config.total_timesteps
-            self.trainer.optimizer.lr = config.learning_rate * max(0.0, 1.0 - progress)
+        end, set by the step at which each rollout starts. A resumed run with another total anneals
+        from the rate it had to 0 over the steps left (`anneal_from`, set by the guard)."""
+        if self.config.anneal_lr:
+            start_step, start_rate = self.anneal_from
+            progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
+            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps in every env copy with the current policy, one row per agent,
-        filling the rollout buffer. Returns the rows after the last step."""
+        """Play num_steps steps of every env into the buffer (a row per agent); the rows after."""
         config, rollout, device = self.config, self.rollout, self.guard.device
         ended = []  # (global step, statistics) of the episodes that end
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
                 break
             rollout.obs[step], rollout.mask[step] = next_obs, self.games.present()
-            actions, log_probs, values = self.model.act(next_obs)
-            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = (
-                actions, log_probs, values)
-            result = self.games.step(actions.cpu().numpy())
+            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = self.model.act(
+                next_obs)
+            result = self.games.step(rollout.actions[step].cpu().numpy())
             next_obs = self.games.observations()
             rewards = torch.from_numpy(result.rewards).to(device)
-            # Truncation is not death: an episode cut by a time limit (every simple_spread episode
-            # ends so, after 25 steps) would have gone on, so its last reward gets the value of
-            # where it stood, gamma * V(final row), added. Then the done flag below can cut GAE's
-            # sum for both kinds of endings (compute_gae).
-            cut = [i for i in result.final_rows if result.truncated[i] and not result.terminated[i]]
+            # Truncation is not death: an episode cut by a time limit (every simple_spread episode,
+            # after 25 steps) would have gone on, so its last reward gets gamma * V(final row).
+            cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
-                cut_rows = torch.from_numpy(np.stack([result.final_rows[i] for i in cut]))
-                rewards[cut] += config.gamma * self.model.value(cut_rows.to(device))
+                final_rows = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
+                rewards[cut] += config.gamma * self.model.value(final_rows.to(device))
             rollout.rewards[step] = rewards
             # An absent agent's row is done too, so that GAE never links steps across its absence.
             ends = torch.from_numpy(result.terminated | result.truncated).to(device)
             rollout.dones[step] = torch.maximum(ends.float(), 1 - rollout.mask[step])
-            self.global_step += self.guard.batch_rows * self.guard.ranks.world_size
+            self.global_step += self.guard.steps_per_step  # agent rows of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
         return next_obs
@@ -661,95 +575,144 @@ class Main:
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
         """update_epochs passes over the rollout in shuffled minibatches, one gradient step each.
         Returns the mean diagnostics as floats (the only host sync of the update)."""
-        config, ranks = self.config, self.guard.ranks
-        self.trainer.track_returns(returns, self.rollout.mask)  # for value normalisation
-        batch_size = self.guard.batch_rows * config.num_steps
-        minibatch_size = batch_size // config.num_minibatches
+        config, rollout = self.config, self.rollout
+        # Value normalisation (Model): the targets of present agents join the statistics.
+        self.trainer.track_returns(returns[rollout.mask > 0], self.guard.mean)
+        batch_size, minibatch_size = returns.numel(), returns.numel() // config.num_minibatches
         totals, count = {}, 0
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
             for start in range(0, batch_size, minibatch_size):
                 indices = order[start:start + minibatch_size]
-                stats = self.trainer.gradient_step(self.rollout.minibatch(indices, advantages,
-                                                                          returns))
+                stats = self.trainer.gradient_step(rollout.minibatch(indices, advantages, returns))
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach()
                 count += 1
-            # Early stop (37 details, #12, optional): once the policy has moved too far from the one
-            # that collected the data, further epochs would only push it beyond the trust region.
-            # (Under torchrun, by the ranks' mean KL, so that all stop after the same epoch.)
-            kl = stats["approx_kl"].item() if config.target_kl is not None else None
-            if kl is not None and ranks.mean([kl])[0] > config.target_kl:
+            # Early stop (37 details, #12, optional) once the policy has moved too far; by the
+            # ranks' mean under torchrun (guard.mean), so that all stop together.
+            if (config.target_kl is not None
+                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
                 break
         stats = {key: (value / count).item() for key, value in totals.items()}
-        stats["explained_variance"] = explained_variance(self.rollout.values, returns,
-                                                         self.rollout.mask)
-        # Under torchrun, the means over the ranks: rank 0 logs those of the global batch, and all
-        # ranks see the same values when the guard checks them for NaN.
-        return dict(zip(stats, ranks.mean(list(stats.values()))))
+        stats["explained_variance"] = explained_variance(rollout.values, returns, rollout.mask)
+        return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# envs, the worker pool and the rollout buffer, a faster Adam and compilation; `Ranks` (torchrun);
-# `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the
-# checks of the user's input; the command line.
+# engines the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` (set-up, Ctrl-C,
+# failures, logging, summary); checkpoints; evaluation and video; the checks of the user's input;
+# the command line.
+
+import ast
+import copy
+import datetime
+import hashlib
+import importlib
+import json
+import logging
+import multiprocessing.connection
+import os
+import random
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import gymnasium as gym
+import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
+
+# ----- Engines: the games, fast and guarded -------------------------------------------------------
 
 
-# ----- The envs and the worker pool ---------------------------------------------------------------
+class GuardedWorker(Worker):
+    """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
+    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
+    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
+    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
+    reported at once (WorkerError) instead of blocking `recv()` forever."""
 
+    def __init__(self, index: int, env_id: str, seeds: list, options: dict,
+                 obs_view: np.ndarray, inherited_trainer_ends: list):
+        self.inherited_trainer_ends = inherited_trainer_ends
+        super().__init__(index, env_id, seeds, options, obs_view)
 
-class EnvSpec(typing.NamedTuple):
-    """What the networks need to know of an env: its agents are alike (`inspect_env` checks)."""
-
-    num_agents: int  # agent slots (possible_agents)
-    obs_size: int  # numbers in one agent's observation
-    num_actions: int  # choices of its Discrete action
-    state_size: int  # numbers in the env's global state (0 when it gives none)
-
-
-def find_env_module(env_id: str):
-    """The module (or object) that `--env module.name` names: it must have `parallel_env()`, as
-    every PettingZoo env has (mpe2.simple_spread_v3, pettingzoo.butterfly.pistonball_v6, ...)."""
-    parent, _, name = env_id.rpartition(".")
-    if not parent:
-        raise UsageError(f"--env {env_id!r}: name a PettingZoo parallel env by module and name, "
-                         f"e.g. mpe2.simple_spread_v3 (gymnasium envs: use ppo_cartpole.py)")
-    try:
-        module = importlib.import_module(env_id)
-    except ModuleNotFoundError as error:
-        missing = error.name or ""
-        if missing != env_id and not env_id.startswith(missing + "."):
-            raise UsageError(f"{env_id} needs the package {missing}: pip install it") from None
+    def child_loop(self, conn, seeds: list, options: dict):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for end in [self.trainer_end, *self.inherited_trainer_ends]:
+            end.close()
         try:
-            module = getattr(importlib.import_module(parent), name, None)
-        except ModuleNotFoundError:
-            module = None
-        if module is None:
-            raise UsageError(f"unknown env {env_id!r}: no such module (PettingZoo envs are named "
-                             f"like mpe2.simple_spread_v3)") from None
-    if not callable(getattr(module, "parallel_env", None)):
-        raise UsageError(f"{env_id} has no parallel_env(): this script plays PettingZoo parallel "
-                         f"envs")
-    return module
+            super().child_loop(conn, seeds, options)
+        except (EOFError, BrokenPipeError, KeyboardInterrupt):
+            pass  # the trainer is gone or stopping: just exit
+        except Exception as error:
+            try:
+                conn.send(("error", f"{type(error).__name__}: {error}"))
+            except (BrokenPipeError, OSError):
+                pass
+        finally:
+            os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
+
+    def send_step(self, actions: np.ndarray):
+        try:
+            super().send_step(actions)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child is gone: receive() finds out how, and says so
+
+    def receive(self, timeout: float = 120.0) -> tuple:
+        name = f"worker {self.index} ({self.env_id})"
+        ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if self.trainer_end in ready:
+            try:
+                status, payload = self.trainer_end.recv()
+            except (EOFError, OSError):
+                status, payload = "dead", None
+            if status == "ok":
+                return payload
+            if status == "error":
+                raise WorkerError(f"{name} failed: {payload}")
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        signal_name = signal.Signals(-code).name if code and code < 0 else None
+        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        raise WorkerError(f"{name} died ({how})")
+
+    def close(self):
+        try:
+            self.trainer_end.send(("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self.trainer_end.close()
+        self.process.join(timeout=2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
-def make_env(env_id: str, env_kwargs: dict, render_mode: Optional[str] = None):
-    """A PettingZoo parallel env. render_mode is passed only when asked for: envs without
-    rendering need not accept it."""
-    options = dict(env_kwargs, **({"render_mode": render_mode} if render_mode else {}))
-    return find_env_module(env_id).parallel_env(**options)
+class InProcessWorker(Worker):
+    """--num-workers 0: the Games of a Worker, played in this process (no child, no pipe)."""
 
+    def __init__(self, index: int, env_id: str, seeds: list, options: dict,
+                 obs_view: np.ndarray, inherited_trainer_ends: list):
+        self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
+        self.games = [Game(env_id, seed, **options) for seed in seeds]
+        self.obs_view[:] = np.concatenate([game.reset() for game in self.games])
+        self.present = np.concatenate([game.present for game in self.games])
 
-def row_sizes(spec: EnvSpec, config: Config) -> tuple:
-    """(policy columns, value columns, whole row) of a row (see `Game` and `Model`)."""
-    ids = spec.num_agents if config.agent_id else 0
-    policy_size = spec.obs_size + ids
-    if not config.central_value:
-        return policy_size, policy_size, policy_size
-    value_size = spec.state_size + spec.num_agents
-    return policy_size, value_size, policy_size + value_size
+    def send_step(self, actions: np.ndarray):
+        self.actions = actions
+
+    def receive(self) -> tuple:
+        return self.step_games(self.games, self.actions, self.obs_view)
+
+    def close(self):
+        for game in self.games:
+            game.env.close()
 
 
 class StepResult(typing.NamedTuple):
@@ -760,19 +723,18 @@ class StepResult(typing.NamedTuple):
     terminated: np.ndarray  # [rows] bool: the agent's episode ended in the game
     truncated: np.ndarray  # [rows] bool: a time limit cut the agent's episode
     present: np.ndarray  # [rows] bool: which agents are in their env now (the next rows)
-    final_rows: dict  # row -> the last row of the agent whose episode ended there
+    final_obs: dict  # row -> the last row of the agent whose episode ended there
     episodes: dict  # env index -> {"return", "team_return", "length"} of an episode that ended
 
 
 class WorkerPool:
-    """All the envs: num_workers Workers with num_envs / num_workers Games each (or all Games in
+    """All the envs of this rank: num_workers Workers of num_envs / num_workers Games each (one in
     this process with --num-workers 0). Their rows land in one [num_envs * num_agents, row size]
-    array (shared memory when there are child processes), env-major: row e * num_agents + a holds
-    agent a of env e. The trainer reads it as a tensor without copying. Env i is seeded with
-    first_seed + i."""
+    array (shared memory with child processes), env-major (row e * num_agents + a holds agent a of
+    env e), read as a tensor without a copy."""
 
-    def __init__(self, config: Config, spec: EnvSpec, row_size: int, first_seed: int,
-                 env_kwargs: dict, device: torch.device):
+    def __init__(self, config: Config, spec: "EnvSpec", row_size: int, first_seed: int,
+                 device: torch.device):
         self.device = device
         self.workers, self.shared_obs = [], None
         agents = spec.num_agents
@@ -782,26 +744,24 @@ class WorkerPool:
         else:
             self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
             self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
-        envs_per_worker = config.num_envs // max(config.num_workers, 1)
-        options = {"env_kwargs": env_kwargs, "agent_id": config.agent_id,
+        worker_class = GuardedWorker if config.num_workers else InProcessWorker
+        options = {"env_kwargs": parse_env_kwargs(config.env_kwargs), "agent_id": config.agent_id,
                    "central_value": config.central_value}
+        games_per_worker = config.num_envs // max(config.num_workers, 1)
         try:
             for index in range(max(config.num_workers, 1)):
-                first = index * envs_per_worker
-                seeds = [first_seed + first + i for i in range(envs_per_worker)]
-                rows = self.obs_array[first * agents:(first + envs_per_worker) * agents]
-                worker = Worker(index, config.env, seeds, options, rows,
-                                in_process=config.num_workers == 0,
-                                inherited_trainer_ends=[w.trainer_end for w in self.workers
-                                                        if not w.in_process])
-                worker.first_env, worker.first_row = first, first * agents
+                first = index * games_per_worker
+                seeds = [first_seed + first + i for i in range(games_per_worker)]
+                rows = self.obs_array[first * agents:(first + games_per_worker) * agents]
+                worker = worker_class(index, config.env, seeds, options, rows,
+                                      [w.trainer_end for w in self.workers if w.trainer_end])
+                worker.first, worker.first_row = first, first * agents
                 self.workers.append(worker)
         except BaseException:
             self.close()  # the workers started so far
             raise
         if self.shared_obs is not None:
-            # The children have the memory mapped now, so its name is no longer needed: unlinking
-            # it at once means no segment is ever left behind in /dev/shm, however this ends.
+            # Mapped by the children now: unlinked at once, no segment outlives the run in /dev/shm.
             self.shared_obs.unlink()
         self.obs_tensor = torch.from_numpy(self.obs_array)
         self.present_array = np.concatenate([worker.present for worker in self.workers])
@@ -815,20 +775,18 @@ class WorkerPool:
         return torch.from_numpy(self.present_array).to(self.device, torch.float32)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        """Step every env: send all workers their actions first, then collect, so that children
-        run in parallel."""
+        """Send all workers their actions first, then collect: the children run in parallel."""
         for worker in self.workers:
-            worker.send_step(actions[worker.first_row:worker.first_row + len(worker.rows_view)])
+            worker.send_step(actions[worker.first_row:worker.first_row + len(worker.obs_view)])
         results = [worker.receive() for worker in self.workers]
-        final_rows, episodes = {}, {}
-        for worker, (*_, worker_final_rows, worker_episodes) in zip(self.workers, results):
-            final_rows.update({worker.first_row + i: row for i, row in worker_final_rows.items()})
-            episodes.update({worker.first_env + i: episode
-                             for i, episode in worker_episodes.items()})
+        final_obs, episodes = {}, {}
+        for worker, (*_, worker_final_obs, worker_episodes) in zip(self.workers, results):
+            final_obs.update({worker.first_row + i: row for i, row in worker_final_obs.items()})
+            episodes.update({worker.first + i: episode for i, episode in worker_episodes.items()})
         rewards, terminated, truncated, present = (np.concatenate(part)
                                                    for part in list(zip(*results))[:4])
         self.present_array = present
-        return StepResult(rewards, terminated, truncated, present, final_rows, episodes)
+        return StepResult(rewards, terminated, truncated, present, final_obs, episodes)
 
     def close(self):
         for worker in self.workers:
@@ -840,38 +798,16 @@ class WorkerPool:
             self.shared_obs = None
 
 
-# ----- The rollout buffer, Adam and compilation ---------------------------------------------------
-
-
-class Rollout:
-    """The rollout buffer: one row per step and agent of each env, on the training device."""
-
-    def __init__(self, config: Config, batch_rows: int, row_size: int, device: torch.device):
-        shape = (config.num_steps, batch_rows)
-        self.obs = torch.zeros(shape + (row_size,), device=device)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.rewards = torch.zeros(shape, device=device)
-        self.dones = torch.zeros(shape, device=device)
-        self.mask = torch.zeros(shape, device=device)
-
-    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
-        """The rows of flat indices (step * rows + env * num_agents + slot)."""
-        return Minibatch(self.obs.flatten(0, 1)[indices], self.actions.flatten()[indices],
-                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
-                         returns.flatten()[indices], self.values.flatten()[indices],
-                         self.mask.flatten()[indices])
+# ----- Adam and compilation -----------------------------------------------------------------------
 
 
 class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines.
-
-    Why not torch.optim.Adam: constructing the first torch.optim optimizer imports torch._dynamo,
-    which costs about a second, a share of a short run worth saving.
-    tests/ check this class against torch.optim.Adam step by step. Adam keeps running averages of
-    each gradient (m) and of its square (v), corrects their bias towards 0 in the first steps, and
-    moves each weight by lr * m_hat / (sqrt(v_hat) + eps).
+    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
+    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
+    the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
+    torch.optim.Adam: its first use imports torch._dynamo, 1.2 s measured with torch 2.14
+    (benchmarks/README.md). tests/ check this class
+    against torch.optim.Adam step by step.
     """
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
@@ -914,28 +850,30 @@ class Adam:
             mine.copy_(theirs)
 
 
-def compile_learner(model: Model, trainer: Trainer, config: Config, row_size: int,
-                    batch_rows: int, device: torch.device):
+def compile_learner(main: Main):
     """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and for
     the loss (its backward is compiled with it). It costs seconds to compile, which networks this
     small never earn back, hence off by default. Compiling the bound methods, not the modules,
     keeps the checkpoint's parameter names as they are. Both are compiled here, on inputs of the
     sizes they will see, so that a machine that cannot compile falls back to eager at once, with a
     warning."""
+    logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
+    model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
     networks = (model.actor, model.critic)
     eager_forwards, eager_loss = [network.forward for network in networks], trainer.compute_loss
-    minibatch_size = batch_rows * config.num_steps // config.num_minibatches
+    batch_rows = config.num_envs * guard.spec.num_agents  # one step of every env
+    rows = batch_rows * config.num_steps // config.num_minibatches
     try:
         for network, forward in zip(networks, eager_forwards):
             network.forward = torch.compile(forward)
         trainer.compute_loss = torch.compile(eager_loss)
         with torch.no_grad():
-            model.act(torch.zeros(batch_rows, row_size, device=device))
-        zeros = torch.zeros(minibatch_size, device=device)
-        actions = torch.zeros(minibatch_size, dtype=torch.long, device=device)
-        rows = torch.zeros(minibatch_size, row_size, device=device)
-        minibatch = Minibatch(rows, actions, zeros, zeros + 1, zeros, zeros, zeros + 1)
-        loss, _ = trainer.compute_loss(minibatch)
+            model.act(torch.zeros(batch_rows, guard.row_size, device=guard.device))
+        zeros = torch.zeros(rows, device=guard.device)
+        actions = torch.zeros(rows, dtype=torch.long, device=guard.device)
+        obs = torch.zeros(rows, guard.row_size, device=guard.device)
+        loss, _ = trainer.compute_loss(Minibatch(obs, actions, zeros, zeros + 1, zeros, zeros,
+                                                 zeros + 1))
         loss.backward()
         trainer.optimizer.zero_grad()
     except Exception as error:
@@ -946,37 +884,32 @@ def compile_learner(model: Model, trainer: Trainer, config: Config, row_size: in
               f"{str(error).splitlines()[0]}); running eagerly", file=sys.stderr)
 
 
+def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
+    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
+    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
+    reads as if something were wrong. A filter on that logger drops this one message."""
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
 
 class RankError(RuntimeError):
-    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ at
-    the end."""
+    """Under torchrun: another rank is gone (a collective failed), or the ranks' weights differ."""
 
 
 class Ranks:
-    """The processes ("ranks") of one run started by torchrun, and the few things they do together.
+    """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
-    `torchrun --nproc_per_node N ppo_multiagent.py ...` (or any torch.distributed launcher, over
-    several machines too) starts N copies of this script and tells each its rank and the world size
-    in the environment (RANK, WORLD_SIZE, LOCAL_RANK). This is data parallelism, as in CleanRL's
-    multi-GPU PPO (ppo_atari_multigpu.py): each rank plays its own --num-envs envs (env i of rank r
-    gets seed + r * num_envs + i), collects its own rollout and splits it into its own
-    --num-minibatches; but before each gradient step the ranks average their gradients, so all take
-    the same step and hold the same weights.
-    - The global batch of an update is world_size x num_envs x agents x num_steps agent steps.
-      --total-timesteps, the learning-rate schedule and --checkpoint-every count those of all ranks.
-    - A gradient step sees world_size x (num_envs x agents x num_steps / num_minibatches) samples,
-      and an update still takes update_epochs x num_minibatches steps.
-    - To keep the hyperparameters of a 1-GPU run equivalent on N GPUs, divide --num-envs by N: the
-      same global batch, minibatches and steps, in 1/N of the time. Keeping --num-envs makes the
-      batch and the minibatches N times larger, and the run N times fewer updates.
-    Every decision to stop (Ctrl-C, --target-return, --target-kl, a non-finite loss) is taken from
-    values all ranks share, so no rank waits in a collective the others skipped. Only rank 0 writes
-    files.
-
-    Without torchrun it is a world of one: no process group, and every method returns at once, so
-    a run alone is exactly what it would be without this class.
+    torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
+    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
+    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
+    minibatches, but the ranks average their gradients before each step, so all take the same step
+    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
+    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
+    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
+    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
+    world of one, and every method returns at once.
     """
 
     def __init__(self, device: torch.device):
@@ -993,8 +926,7 @@ class Ranks:
                                  f"{gpus}: lower --nproc_per_node")
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-        try:
-            # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP.
+        try:  # NCCL moves CUDA tensors between GPUs directly; gloo moves CPU tensors over TCP
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         except (RuntimeError, ValueError) as error:
             raise UsageError(f"WORLD_SIZE is set, but joining the other ranks failed "
@@ -1002,8 +934,8 @@ class Ranks:
                              ) from None
 
     def collective(self, operation, *args):
-        """Run one torch.distributed operation. When another rank has died, gloo raises here (its
-        connection closed): this rank then stops with one line (RankError), not a traceback."""
+        """One torch.distributed operation. When another rank has died, gloo raises here: this
+        rank then stops with one line (RankError), not a traceback."""
         try:
             return operation(*args)
         except RuntimeError as error:
@@ -1013,11 +945,8 @@ class Ranks:
                             ) from None
 
     def average_gradients(self, parameters):
-        """Replace each gradient with its mean over the ranks: one all-reduce of all gradients
-        flattened into one vector. Why not DistributedDataParallel: DDP overlaps the exchange with
-        the backward pass, which pays for big networks; here one small message per minibatch is as
-        fast, keeps the averaging in sight in Trainer.gradient_step (before the clip, so every rank
-        clips the same global gradient), and fits the hand-written Adam, which reads each .grad."""
+        """Each gradient becomes its mean over the ranks, in one all-reduce of all of them. (DDP
+        would overlap this with the backward pass, which pays only for big networks.)"""
         if not self.distributed:
             return
         grads = [p.grad for p in parameters]
@@ -1065,8 +994,7 @@ class Ranks:
                 self.collective(dist.broadcast, tensor, 0)
 
     def check_same(self, tensors):
-        """Raise RankError on every rank unless every rank holds bitwise the same tensors as rank 0
-        (the weights at the end of a run: a difference means the ranks trained other networks)."""
+        """Raise RankError unless every rank holds bitwise rank 0's tensors (the final weights)."""
         if not self.distributed:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
@@ -1081,7 +1009,7 @@ class Ranks:
             dist.destroy_process_group()
 
 
-# ----- RunGuard: set-up, Ctrl-C, failures, logging and the summary --------------------------------
+# ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
 
 
 class WorkerError(RuntimeError):
@@ -1101,32 +1029,28 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 class RunGuard:
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-
-    On entry it reads --resume's checkpoint, checks the settings and the env, joins the other ranks
-    under torchrun, makes the run dir and seeds every generator. In the loop it records finished
-    episodes, stops on Ctrl-C or SIGTERM, logs each update, saves checkpoints when due, and stops
-    on a non-finite loss with the weights of the update before. On exit, whatever ended the run,
-    it closes the games, saves the last checkpoint and writes summary.json (a failure is raised
-    again afterwards), then gives back what it changed in the process: the signal handlers and
-    torch's thread count, so that a notebook is left as it was.
-    """
+    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
+    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
+    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
+    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        self.main = main
+        self.main, self.stop_signal, self.previous_handlers = main, None, {}
         self.previous_threads = torch.get_num_threads()
-        self.previous_handlers = {}
-        self.stop_signal = None
-        self.ranks = self.games = self.writer = None
-        self.updates = 0
-        self.summary = None
+        self.ranks = self.games = self.log = self.summary = None
 
     @property
     def config(self) -> Config:
         """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
         return self.main.config
 
+    solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+
     def __enter__(self) -> "RunGuard":
-        self.catch_stop_signals()
+        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
+            for signum in (signal.SIGINT, signal.SIGTERM):  # only noted: the loop stops cleanly
+                self.previous_handlers[signum] = signal.signal(
+                    signum, lambda number, frame: setattr(self, "stop_signal", number))
         try:
             self.setup()
         except BaseException:
@@ -1134,138 +1058,94 @@ class RunGuard:
             raise
         return self
 
-    def catch_stop_signals(self):
-        """Ctrl-C and SIGTERM only set a flag; the loop sees it at its next step (under torchrun,
-        at the end of the rollout, all ranks together) and stops cleanly. (Signal handlers can only
-        be set from the main thread; in another thread the run cannot be interrupted this way.)"""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum, frame):
-            self.stop_signal = signum
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous_handlers[signum] = signal.signal(signum, request_stop)
-
     def setup(self):
-        config = self.config
-        self.checkpoint = load_checkpoint(config.resume) if config.resume else None
-        if self.checkpoint is not None:
-            config = resumed_config(self.checkpoint, config)
-        self.start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
-        check_settings(config)
-        device = pick_device(config.device)
-        self.env_kwargs = parse_env_kwargs(config.env_kwargs)
-        self.spec = inspect_env(config.env, self.env_kwargs, config.central_value)
-        check_batch(config, self.spec.num_agents)
+        start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
+        check_settings(self.config)
+        self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
+        config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
+        self.spec = inspect_env(config.env, parse_env_kwargs(config.env_kwargs),
+                                config.central_value)
+        check_settings(config, self.spec.num_agents)
         self.policy_size, self.value_size, self.row_size = row_sizes(self.spec, config)
-        self.batch_rows = config.num_envs * self.spec.num_agents  # rows of one step of all envs
-        # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
-        self.ranks = Ranks(device)
+        self.ranks = Ranks(pick_device(config.device))  # torchrun's ranks (alone, a world of one)
         self.device = self.ranks.device
+        self.steps_per_step = config.num_envs * self.spec.num_agents * self.ranks.world_size
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
-        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config))
-        config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        self.main.config = config
-        # Reproducibility: every random draw of the trainer comes from torch's seeded generator
-        # (action sampling, minibatch shuffling), and each game from its own seeded generator.
-        # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
+        self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
+        self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
+        # Reproducibility: the trainer draws from torch's seeded generator (actions, minibatches),
+        # each game from its own; under torchrun, rank r seeds with seed + r, its draws its own.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
         # One thread is fastest for networks this small: splitting a 64-unit layer over threads
-        # costs more than it saves. Given back when the run ends.
+        # costs more than it saves (benchmarks/README.md). Given back when the run ends.
         torch.set_num_threads(1)
-        # The last 100 episodes: return per agent (the mean over its agents), the team's, length.
-        self.recent_returns, self.recent_lengths = deque(maxlen=100), deque(maxlen=100)
-        self.recent_team_returns = deque(maxlen=100)
-        self.episodes = 0
-        self.solved_step = self.solved_seconds = None
-        self.interrupted = False
-        self.first_update_end = None  # (time, step) once the first update is done
-        self.last_print = 0.0
-        self.checkpoint_path = self.run_dir / "checkpoint.pt"
+        self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
+        self.log = RunLog(self, start_time)
 
     def prepare_learner(self) -> int:
         """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
         and compile (--compile). Returns the global step to start from."""
-        main, config = self.main, self.config
-        main.global_step = 0
+        main = self.main
+        main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
+            main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
+                                                  main.trainer.optimizer.lr)
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
-        # The ranks start from the same weights, rank 0's; averaging the gradients keeps them so.
-        self.ranks.copy_from_rank_0(main.model.state_dict().values())
-        if config.compile:
-            compile_learner(main.model, main.trainer, config, self.row_size, self.batch_rows,
-                            self.device)
+        self.log.start()  # the start-up block
+        self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
+        if main.config.compile:
+            compile_learner(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
-        self.writer = make_writer(self.run_dir, config) if self.ranks.rank == 0 else None
         return main.global_step
 
-    def start_games(self) -> WorkerPool:
-        """The envs of this rank: env i of rank r is seeded with seed + r * num_envs + i."""
-        config = self.config
-        first_seed = config.seed + self.ranks.rank * config.num_envs
-        self.games = WorkerPool(config, self.spec, self.row_size, first_seed, self.env_kwargs,
-                                self.device)
+    def start_games(self) -> WorkerPool:  # env i of rank r is seeded with seed + r * num_envs + i
+        first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
+        self.games = WorkerPool(self.config, self.spec, self.row_size, first_seed, self.device)
         return self.games
 
-    def stop_at_once(self) -> bool:
-        """Ctrl-C alone stops a rollout at once; under torchrun all ranks stop together after it."""
+    def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
         return self.stop_signal is not None and not self.ranks.distributed
 
+    def mean(self, value):  # over the ranks, of a number or of each of a list (alone: the value)
+        return self.ranks.mean(value) if isinstance(value, list) else self.ranks.mean([value])[0]
+
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout, and stop (raise Interrupted) if asked to.
-        Under torchrun, this is where the ranks meet once per rollout: each learns the episodes of
-        every rank and whether any rank was asked to stop. All record the same episodes in the same
-        order (by step, then by rank), so they take the same --target-return decision."""
+        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
+        Under torchrun the ranks meet here once per rollout: each learns every rank's episodes, in
+        the same order (by step, then rank), and whether any was asked to stop, so all take the
+        same decisions."""
         shared = self.ranks.gather((ended, self.stop_signal))
-        episodes = sorted((episode for rank_ended, _ in shared for episode in rank_ended),
-                          key=lambda step_and_episode: step_and_episode[0])
-        for step, episode in episodes:
-            self.record_episode(episode, step)
+        for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
+                                    key=lambda step_and_episode: step_and_episode[0]):
+            self.log.record_episode(episode, step)
         signals = [signum for _, signum in shared if signum is not None]
         if signals:
             self.stop_signal = signals[0]
             raise Interrupted
 
-    def record_episode(self, episode: dict, step: int):
-        self.episodes += 1
-        self.recent_returns.append(episode["return"])
-        self.recent_team_returns.append(episode["team_return"])
-        self.recent_lengths.append(episode["length"])
-        if self.writer is not None:
-            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
-            self.writer.add_scalar("charts/team_return", episode["team_return"], step)
-            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
-        target = self.config.target_return
-        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
-                and np.mean(self.recent_returns) >= target):
-            self.solved_step = step
-            self.solved_seconds = time.perf_counter() - self.start_time
-
     def after_update(self, stats: dict):
-        """Stop on a non-finite loss; else count the update, log it, and save when due."""
-        main = self.main
+        """Average the diagnostics over the ranks and stop if one is not finite; else log the
+        update and save when due."""
+        main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
             raise NonFiniteLoss(f"non-finite loss or gradient in update {self.updates + 1} "
                                 f"({values}); stopped with the weights of the update before")
         self.updates += 1
-        if self.first_update_end is None:
-            self.first_update_end = (time.perf_counter(), main.global_step)
-        self.log_update(stats)
+        self.log.update(stats)
         if main.global_step - self.last_checkpoint_step >= self.config.checkpoint_every:
             save_checkpoint(learner_state(main), self.checkpoint_path, self.ranks)
             self.last_checkpoint_step = main.global_step
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
     def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games, and unless the error is one a run cannot save from (bad input, a bug),
+        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
         save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
         failure is raised again once everything is saved."""
         try:
@@ -1273,7 +1153,6 @@ class RunGuard:
                 self.games.close()
             if kind is not None and not issubclass(kind, (Interrupted, *FAILURES)):
                 return False
-            self.interrupted = kind is Interrupted
             failure = error if isinstance(error, FAILURES) else None
             if isinstance(error, (NonFiniteLoss, RankError)):  # the update may be half done
                 restore_learner(self.main, self.last_good_learner)
@@ -1283,10 +1162,7 @@ class RunGuard:
                 except RankError as mismatch:
                     failure = mismatch
             save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
-            self.summary = self.write_summary()
-            if self.writer is not None:
-                self.writer.close()
-                self.print_progress(final=True)
+            self.summary = self.log.finish(kind is Interrupted, failure is not None)
             if failure is not None and failure is not error:
                 raise failure
             return failure is None  # a failure propagates; Ctrl-C does not
@@ -1302,82 +1178,149 @@ class RunGuard:
         if self.ranks is not None:
             self.ranks.close()
 
+
+class RunLog:
+    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
+    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
+    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+
+    def __init__(self, guard: RunGuard, start_time: float):
+        self.guard, self.main, self.start_time = guard, guard.main, start_time
+        resumed = guard.checkpoint is not None
+        saved = guard.checkpoint.get("log", {}) if resumed else {}
+        self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
+        self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
+        self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
+        self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
+        self.recent_team_returns = deque(saved.get("recent_team_returns", []), maxlen=100)
+        self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
+        self.last_print = 0.0
+        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+
+    def say(self, line: str):
+        if self.writer is not None:  # rank 0 speaks for all
+            print(line, flush=True)
+
+    def start(self):
+        """What runs where, what differs from the defaults, and how far it goes."""
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
+        batch = guard.steps_per_step * config.num_steps
+        self.last_step = step + max(0, math.ceil((config.total_timesteps - step) / batch)) * batch
+        rounded = (f" ({config.total_timesteps:,} rounded up to whole rollouts of {batch:,})"
+                   if self.last_step != config.total_timesteps else "")
+        self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
+                 f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
+        changed = [(f.name.replace("_", "-"), getattr(config, f.name))
+                   for f in dataclasses.fields(Config)
+                   if f.name != "run_dir" and getattr(config, f.name) != f.default]
+        if changed:
+            self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
+                                              if isinstance(value, bool) else f"--{flag} {value}"
+                                              for flag, value in changed))
+        if self.resumed_at_step is not None:
+            rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
+            self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
+                     f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+        if config.compile:
+            self.say("compiling the model and the update (torch.compile, once per run; this can "
+                     "take a minute)...")
+
+    def record_episode(self, episode: dict, step: int):
+        self.episodes += 1
+        self.recent_returns.append(episode["return"])
+        self.recent_team_returns.append(episode["team_return"])
+        self.recent_lengths.append(episode["length"])
+        if self.writer is not None:
+            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
+            self.writer.add_scalar("charts/team_return", episode["team_return"], step)
+            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
+        target = self.guard.config.target_return
+        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
+                and np.mean(self.recent_returns) >= target):
+            self.solved_step, self.solved_seconds = step, self.seconds()
+
+    def update(self, stats: dict):
+        step, writer = self.main.global_step, self.writer
+        if self.first_update_end is None:
+            self.first_update_end = (time.perf_counter(), step)
+        if writer is None:
+            return
+        for key, value in stats.items():
+            writer.add_scalar(f"losses/{key}", value, step)
+        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        if self.steady_speed() is not None:
+            writer.add_scalar("charts/steps_per_second", self.steady_speed(), step)
+        if time.perf_counter() - self.last_print >= 1.0:
+            self.print_progress()
+
+    def seconds(self) -> float:
+        """Wall-clock seconds of the whole run: the parts it was resumed from, and this one."""
+        return self.earlier_seconds + time.perf_counter() - self.start_time
+
     def steady_speed(self) -> Optional[float]:
-        """Steps per second since the end of the first update (which holds one-time costs)."""
+        """Steps per second since this process's first update (which holds one-time costs)."""
         if self.first_update_end is None:
             return None
         end_time, end_step = self.first_update_end
         elapsed, steps = time.perf_counter() - end_time, self.main.global_step - end_step
         return steps / elapsed if elapsed > 0 and steps > 0 else None
 
-    def log_update(self, stats: dict):
-        step, writer = self.main.global_step, self.writer
-        if writer is None:
-            return  # under torchrun, rank 0 logs and prints for all
-        for key, value in stats.items():
-            writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
-        speed = self.steady_speed()
-        if speed is not None:
-            writer.add_scalar("charts/steps_per_second", speed, step)
-        if time.perf_counter() - self.last_print >= 1.0:
-            self.print_progress()
-
-    def print_progress(self, final: bool = False):
-        self.last_print = time.perf_counter()
-        total, step = self.config.total_timesteps, self.main.global_step
-        speed = self.steady_speed() or step / max(self.last_print - self.start_time, 1e-9)
+    def print_progress(self):
+        self.last_print, step, total = time.perf_counter(), self.main.global_step, self.last_step
+        self.printed_step = step
+        speed = (self.steady_speed() or (step - (self.resumed_at_step or 0))
+                 / max(self.last_print - self.start_time, 1e-9))
         eta = time.strftime("%H:%M:%S", time.gmtime(max(total - step, 0) / max(speed, 1e-9)))
         mean = lambda values: f"{np.mean(values):.2f}" if values else "-"
-        env_steps = step // self.spec.num_agents
-        print(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | env steps {env_steps:,} | "
-              f"{speed:,.0f} steps/s | eta {eta} | return per agent {mean(self.recent_returns)} "
-              f"| team {mean(self.recent_team_returns)} | length {mean(self.recent_lengths)} | "
-              f"updates {self.updates}"
-              + (" | done" if final else ""), flush=True)
+        env_steps = step // self.guard.spec.num_agents
+        self.say(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | env steps {env_steps:,} | "
+                 f"{speed:,.0f} steps/s | eta {eta} | return per agent {mean(self.recent_returns)} "
+                 f"| team {mean(self.recent_team_returns)} | length {mean(self.recent_lengths)} | "
+                 f"updates {self.guard.updates}")
 
-    def write_summary(self) -> dict:
-        now, speed = time.perf_counter(), self.steady_speed()
+    def state(self) -> dict:
+        """What the checkpoint keeps of the log, for a resumed run to count on."""
+        return {"episodes": self.episodes, "seconds": self.seconds(),
+                "recent_returns": list(self.recent_returns),
+                "recent_team_returns": list(self.recent_team_returns),
+                "recent_lengths": list(self.recent_lengths)}
+
+    def finish(self, interrupted: bool, failed: bool) -> dict:
+        """Write summary.json, print the last progress line (once) and how the run ended."""
+        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
-            "script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
-            "steps": self.main.global_step,
-            "seconds": round(now - self.start_time, 3),
+            "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
+            "seconds": round(self.seconds(), 3),
             "warmup_seconds": (round(self.first_update_end[0] - self.start_time, 3)
                                if self.first_update_end else None),
-            "steps_per_second": round(speed, 1) if speed else None,
-            "episodes": self.episodes,
+            "steps_per_second": round(speed, 1) if speed else None, "episodes": self.episodes,
             "mean_return_100": float(np.mean(self.recent_returns)) if self.recent_returns else None,
             "mean_team_return_100": (float(np.mean(self.recent_team_returns))
                                      if self.recent_team_returns else None),
-            "env_steps": self.main.global_step // self.spec.num_agents,
-            "num_agents": self.spec.num_agents,
-            "target_return": self.config.target_return,
-            "solved_step": self.solved_step,
+            "env_steps": step // guard.spec.num_agents, "num_agents": guard.spec.num_agents,
+            "target_return": config.target_return, "solved_step": self.solved_step,
             "solved_seconds": (round(self.solved_seconds, 3) if self.solved_seconds is not None
-                               else None),
-            "interrupted": self.interrupted,
-            "checkpoint": str(self.checkpoint_path) if self.checkpoint_path.exists() else None,
-            "world_size": self.ranks.world_size,
-        }
-        if self.ranks.rank != 0:
+                               else None), "interrupted": interrupted,
+            "checkpoint": str(guard.checkpoint_path) if guard.checkpoint_path.exists() else None,
+            "world_size": guard.ranks.world_size, "resumed_at_step": self.resumed_at_step}
+        if self.writer is None:
             return summary  # rank 0 writes it
         try:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            path.write_text(json.dumps(summary, indent=2) + "\n")
         except OSError as error:
             print(f"warning: could not write summary.json ({error})", file=sys.stderr)
+        self.writer.close()
+        if self.printed_step != step:
+            self.print_progress()
+        how = (f"reached the target return {config.target_return:g} at step {self.solved_step:,}"
+               if self.solved_step is not None else
+               f"{'interrupted' if interrupted else 'finished'} at step {step:,}")
+        after = datetime.timedelta(seconds=round(self.seconds()))  # h:mm:ss
+        if not failed:
+            self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
+                     + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 when the value function predicts the returns perfectly, 0 when not at all, over the rows
-    of present agents. A constant return leaves nothing to explain: 0."""
-    present = mask > 0
-    values, returns = values[present], returns[present]
-    if len(returns) < 2:
-        return 0.0
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
 
 
 def make_writer(run_dir: Path, config: Config):
@@ -1388,7 +1331,6 @@ def make_writer(run_dir: Path, config: Config):
     rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
     return writer
-
 
 
 # ----- Checkpoints --------------------------------------------------------------------------------
@@ -1403,6 +1345,7 @@ def learner_state(main: Main) -> dict:
         "spec": list(guard.spec), "config": dataclasses.asdict(main.config),
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
         "global_step": main.global_step, "updates": guard.updates,
+        "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
     }
 
@@ -1416,7 +1359,22 @@ def restore_learner(main: Main, state: dict):
                          f"{str(error).splitlines()[-1].strip()}") from None
     main.trainer.optimizer.load_state_dict(state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
+    main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
+
+
+def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
+    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
+    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
+    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
+    never jumps; a new --learning-rate starts there."""
+    saved = checkpoint["config"]
+    if config.learning_rate != saved["learning_rate"]:
+        return step, config.learning_rate
+    if config.total_timesteps != saved["total_timesteps"] and saved["anneal_lr"]:
+        return step, rate
+    return tuple(checkpoint.get("anneal_from", (0, saved["learning_rate"])))
+
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
     """Write to a temporary file, then rename: a crash or a full disk never leaves half a
@@ -1435,10 +1393,20 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
         print(f"warning: could not write {path} ({reason}); {kept}", file=sys.stderr)
 
 
-def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+def find_checkpoint(path: str) -> Path:
+    """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
+    if Path(path).is_dir():
+        if not (Path(path) / "checkpoint.pt").is_file():
+            raise UsageError(f"run folder {path} holds no checkpoint.pt")
+        return Path(path) / "checkpoint.pt"
     if not Path(path).is_file():
         raise UsageError(f"checkpoint {path} not found")
+    return Path(path)
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read a checkpoint of this script, refusing clearly what is missing, damaged or foreign."""
+    path = find_checkpoint(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -1449,25 +1417,24 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
+    checkpoint["path"] = str(path)
     return checkpoint
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
     """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). A different env or network
-    is refused."""
+    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    checkpoint's folder unless given. A different env or network is refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
-    config = Config(**saved)
-    fixed = ("env", "env_kwargs", "hidden_size", "agent_id", "central_value")
-    for f in fields:
-        value = getattr(given, f.name)
-        if value != f.default:
-            if f.name in fixed and value != saved.get(f.name):
-                raise UsageError(f"the checkpoint was trained with --{f.name.replace('_', '-')} "
-                                 f"{saved.get(f.name)}, not {value}")
-            config = dataclasses.replace(config, **{f.name: value})
-    return config
+    saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    changed = {f.name: getattr(given, f.name) for f in fields
+               if getattr(given, f.name) != f.default}
+    for name in ("env", "env_kwargs", "hidden_size", "agent_id", "central_value"):
+        if name in changed and changed[name] != saved.get(name):
+            raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
+                             f"{saved.get(name)}, not {changed[name]}")
+    return Config(**{**saved, **changed})
 
 
 # ----- Evaluation and video -----------------------------------------------------------------------
@@ -1477,11 +1444,9 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
 def evaluate_checkpoint(given: Config) -> dict:
     """--eval: play --eval-episodes episodes with a checkpoint's policy (every agent playing it)
     and report the return per agent and per team."""
+    check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
-    check_settings(config)
-    if config.eval_episodes <= 0:
-        raise UsageError("--eval-episodes must be positive")
     env_kwargs = parse_env_kwargs(config.env_kwargs)
     spec = inspect_env(config.env, env_kwargs, config.central_value)
     policy_size, value_size, _ = row_sizes(spec, config)
@@ -1489,7 +1454,7 @@ def evaluate_checkpoint(given: Config) -> dict:
                   config.hidden_size)
     model.load_state_dict(checkpoint["model"])
     torch.manual_seed(config.seed)
-    run_dir = Path(given.run_dir) if given.run_dir else Path(config.eval).parent
+    run_dir = Path(config.run_dir)
     try:
         game = Game(config.env, config.seed, env_kwargs, config.agent_id, config.central_value,
                     render_mode="rgb_array" if config.video else None)
@@ -1509,14 +1474,15 @@ def evaluate_checkpoint(given: Config) -> dict:
                 returns.append(info["episode"]["return"])
                 team_returns.append(info["episode"]["team_return"])
     finally:
-        game.close()
+        game.env.close()
         if video is not None:
             video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
     team_mean, team_std = float(np.mean(team_returns)), float(np.std(team_returns))
     how = "greedy" if config.greedy else "sampled"
+    episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
     print(f"eval {config.env}: return per agent {mean:.2f} ± {std:.2f}, per team "
-          f"{team_mean:.2f} ± {team_std:.2f} over {len(returns)} episodes ({how} actions)")
+          f"{team_mean:.2f} ± {team_std:.2f} over {episodes} ({how} actions)")
     if video is not None:
         print(f"video: {run_dir / 'eval.mp4'}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
@@ -1530,7 +1496,11 @@ def write_frame(video, game: Game, path: Path):
     frame)."""
     import cv2  # only --video needs OpenCV
 
-    frame = game.render()
+    # pygame, which draws MPE2's envs, would open SDL's display and sound drivers and complain, on
+    # a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    frame = game.env.render()
     if frame is None:
         raise UsageError(f"{game.env.metadata.get('name', 'the env')} draws no picture: "
                          f"--video needs an env with render_mode 'rgb_array'")
@@ -1548,33 +1518,36 @@ def write_frame(video, game: Game, path: Path):
 # ----- Checking the input -------------------------------------------------------------------------
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
+          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
 
 
-def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change."""
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs",
-                 "hidden_size", "checkpoint_every"):
-        if getattr(config, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, not "
-                             f"{getattr(config, name)}")
-    if config.num_workers < 0:
-        raise UsageError(f"--num-workers must be 0 (envs in this process) or more, not "
-                         f"{config.num_workers}")
+def check_settings(config: Config, num_agents: Optional[int] = None):
+    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    the range its Config field names, or not finite; flags that make no sense together; once the
+    number of agents is known, a batch (num_envs x agents x num_steps) that does not split."""
+    for f in dataclasses.fields(Config):
+        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
+        flag = flag.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, not {value}")
+        if rule is not None and value is not None and not RANGES[rule](value):
+            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
+            raise UsageError(f"{flag} must be {wanted}, not {value}")
+    for flag in ("video", "greedy"):
+        if getattr(config, flag) and not config.eval:
+            raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
+    if config.eval and config.resume:
+        raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one")
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
-
-
-def check_batch(config: Config, num_agents: int):
-    """The batch of a rollout, num_envs x agents x num_steps rows, must split into minibatches."""
-    batch_size = config.num_envs * num_agents * config.num_steps
-    if batch_size % config.num_minibatches:
+    batch_size = config.num_envs * (num_agents or 1) * config.num_steps
+    if num_agents and batch_size % config.num_minibatches:
         raise UsageError(f"the batch of {batch_size} agent steps (--num-envs x {num_agents} agents "
                          f"x --num-steps) does not split into --num-minibatches "
                          f"{config.num_minibatches}")
-    if batch_size // config.num_minibatches < 2:
+    if num_agents and batch_size // config.num_minibatches < 2:
         raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot be "
                          f"normalised: raise --num-envs or --num-steps, or lower --num-minibatches")
 
@@ -1593,6 +1566,41 @@ def parse_env_kwargs(text: str) -> dict:
         except (ValueError, SyntaxError):
             options[key] = value
     return options
+
+
+class EnvSpec(typing.NamedTuple):
+    """What the networks need to know of an env: its agents are alike (`inspect_env` checks)."""
+
+    num_agents: int  # agent slots (possible_agents)
+    obs_size: int  # numbers in one agent's observation
+    num_actions: int  # choices of its Discrete action
+    state_size: int  # numbers in the env's global state (0 when it gives none)
+
+
+def find_env_module(env_id: str):
+    """The module (or object) that `--env module.name` names: it must have `parallel_env()`, as
+    every PettingZoo env has (mpe2.simple_spread_v3, mpe2.simple_v3, ...)."""
+    parent, _, name = env_id.rpartition(".")
+    if not parent:
+        raise UsageError(f"--env {env_id!r}: name a PettingZoo parallel env by module and name, "
+                         f"e.g. mpe2.simple_spread_v3 (gymnasium envs: use ppo_cartpole.py)")
+    try:
+        module = importlib.import_module(env_id)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing != env_id and not env_id.startswith(missing + "."):
+            raise UsageError(f"{env_id} needs the package {missing}: pip install it") from None
+        try:
+            module = getattr(importlib.import_module(parent), name, None)
+        except ModuleNotFoundError:
+            module = None
+        if module is None:
+            raise UsageError(f"unknown env {env_id!r}: no such module (PettingZoo envs are named "
+                             f"like mpe2.simple_spread_v3)") from None
+    if not callable(getattr(module, "parallel_env", None)):
+        raise UsageError(f"{env_id} has no parallel_env(): this script plays PettingZoo parallel "
+                         f"envs")
+    return module
 
 
 def inspect_env(env_id: str, env_kwargs: dict, central_value: bool) -> EnvSpec:
@@ -1623,10 +1631,15 @@ def inspect_env(env_id: str, env_kwargs: dict, central_value: bool) -> EnvSpec:
                              f"choose discrete actions (MPE2: continuous_actions=False)")
         if not isinstance(action_space, gym.spaces.Discrete):
             raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
-                             f"Discrete actions")
+                             f"Discrete actions, and no script of this library handles "
+                             f"{type(action_space).__name__} actions for many agents yet")
+        kind = type(obs_space).__name__
         if not isinstance(obs_space, gym.spaces.Box):
-            raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; this "
-                             f"script needs a Box (a vector of numbers)")
+            raise UsageError(f"{env_id} has a {kind} observation space; no script of this library "
+                             f"handles {kind} observations yet")
+        if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
+            raise UsageError(f"{env_id} observes images {obs_space.shape}; no script of this "
+                             f"library handles image observations outside Atari yet")
         state_size = 0
         if central_value:
             try:
@@ -1638,6 +1651,16 @@ def inspect_env(env_id: str, env_kwargs: dict, central_value: bool) -> EnvSpec:
                        state_size)
     finally:
         env.close()
+
+
+def row_sizes(spec: EnvSpec, config: Config) -> tuple:
+    """(policy columns, value columns, whole row) of a row (see `Game` and `Model`)."""
+    ids = spec.num_agents if config.agent_id else 0
+    policy_size = spec.obs_size + ids
+    if not config.central_value:
+        return policy_size, policy_size, policy_size
+    value_size = spec.state_size + spec.num_agents
+    return policy_size, value_size, policy_size + value_size
 
 
 def pick_device(name: str) -> torch.device:
@@ -1654,9 +1677,23 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def make_run_dir(config: Config) -> Path:
+RUN_FILES = ("checkpoint.pt", "summary.json", "events.out.tfevents.*", "eval.mp4")
+
+
+def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
+    """The run dir, made and tested for writing. One that holds another run is refused, unless
+    --overwrite (which deletes that run's files first) or it is the folder being resumed."""
     default = f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}"
     run_dir = Path(config.run_dir or default)
+    resumed_here = (checkpoint is not None
+                    and Path(checkpoint["path"]).parent.resolve() == run_dir.resolve())
+    earlier_run = [path for pattern in RUN_FILES for path in run_dir.glob(pattern)]
+    if earlier_run and not resumed_here:
+        if not config.overwrite:
+            raise UsageError(f"--run-dir {run_dir} already holds a run: continue it with --resume "
+                             f"{run_dir}, or choose another --run-dir (--overwrite replaces it)")
+        for path in earlier_run:
+            path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -1669,22 +1706,6 @@ def make_run_dir(config: Config) -> Path:
 
 
 # ----- The command line ---------------------------------------------------------------------------
-
-
-def parse_config(argv=None) -> Config:
-    """The command line: one flag per Config field, with its default and explanation in --help."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kind = next(t for t in (bool, int, float, str)
-                    if t is f.type or t in typing.get_args(f.type))
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
-        else:
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    return Config(**vars(parser.parse_args(argv)))
 
 
 def command_line(argv=None) -> int:
