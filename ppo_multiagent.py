@@ -805,9 +805,8 @@ class Adam:
     """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
     running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
     the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
-    torch.optim.Adam: its first use imports torch._dynamo, 1.2 s measured with torch 2.14
-    (benchmarks/README.md). tests/ check this class
-    against torch.optim.Adam step by step.
+    torch.optim.Adam: its first use imports torch._dynamo, which takes over a second, a share of
+    a short run (benchmarks/README.md). tests/ check this class against torch.optim.Adam.
     """
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):

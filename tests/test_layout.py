@@ -1,18 +1,33 @@
-"""The shape every script shares: the lesson (PPO, complete) above a banner, the machinery below; the
-same parts in the same order with the same names; no line wider than a notebook cell."""
+"""The shape every script shares: the lesson (PPO, complete) above a banner, the machinery below;
+the lesson's measures; the same parts in the same order with the same names in every script; no
+line wider than a notebook cell."""
 import ast
+import re
 
 import pytest
 
 from conftest import ROOT
 
+SCRIPTS = ["ppo_atari.py", "ppo_cartpole.py", "ppo_continuous.py", "ppo_memory.py",
+           "ppo_multiagent.py"]
 BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
-# The latest line the banner may stand on: the lesson stays short enough to read in one sitting.
-LESSON_LINES = {"ppo_cartpole.py": 600, "ppo_atari.py": 700, "ppo_continuous.py": 600,
-                "ppo_memory.py": 600, "ppo_multiagent.py": 800}
-LESSON = ["Config", "Game", "Worker", "Model", "compute_gae", "Minibatch", "Trainer", "Main"]
+# The lesson's measures, as reached (2026-11-24). The aim was 500 lines (600 for ppo_memory.py)
+# and 1,250 for a file; benchmarks/README.md, "The lesson's measures", says what each part costs.
+# These limits keep a lesson from growing back.
+LESSON_LINES = {"ppo_atari.py": 602, "ppo_cartpole.py": 574, "ppo_continuous.py": 601,
+                "ppo_memory.py": 833, "ppo_multiagent.py": 600}
+FILE_LINES = 1900
+LONGEST_DEFINITION = 150
+NAMES_FROM_BELOW = 3
+LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",
+          "Rollout", "Trainer", "Main"]
 MAIN_METHODS = ["__init__", "run", "train", "anneal_learning_rate", "collect_rollout",
                 "estimate_advantages", "learn"]
+MACHINERY = ["GuardedWorker", "InProcessWorker", "StepResult", "WorkerPool", "compile_learner",
+             "Ranks", "RunGuard", "RunLog", "learner_state", "restore_learner",
+             "continued_schedule", "save_checkpoint", "find_checkpoint", "load_checkpoint",
+             "resumed_config", "evaluate_checkpoint", "check_settings", "inspect_env",
+             "pick_device", "make_run_dir", "command_line"]
 
 
 def parsed(script):
@@ -21,29 +36,73 @@ def parsed(script):
 
 
 def top_level(tree):
-    return {node.name: node for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    return {node.name: node for node in tree.body
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
 
 
-@pytest.mark.parametrize("script", sorted(LESSON_LINES))
+def banner_line(source):
+    banners = [number for number, line in enumerate(source.splitlines(), 1)
+               if line.startswith(BANNER)]
+    assert len(banners) == 1, banners
+    return banners[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_the_lesson_ends_at_the_banner_and_holds_the_parts_in_order(script):
     source, tree = parsed(script)
-    lines = source.splitlines()
-    banners = [number for number, line in enumerate(lines, 1) if line.startswith(BANNER)]
-    assert len(banners) == 1 and banners[0] <= LESSON_LINES[script], banners
-    definitions = top_level(tree)
-    above = [name for name, node in definitions.items() if node.lineno < banners[0]]
+    banner = banner_line(source)
+    above = [name for name, node in top_level(tree).items() if node.lineno < banner]
     assert [name for name in above if name in LESSON] == LESSON  # all of them, in this order
-    # Above the banner: the lesson and the `option` helper of Config, and the helpers of the parts.
-    assert set(above) - set(LESSON) <= {"option", "step_game", "step_games", "layer", "orthogonal"}
 
 
-@pytest.mark.parametrize("script", sorted(LESSON_LINES))
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_lesson_measures(script):
+    source, tree = parsed(script)
+    banner = banner_line(source)
+    assert banner - 1 <= LESSON_LINES[script]
+    assert len(source.splitlines()) <= FILE_LINES
+    lengths = {name: node.end_lineno - node.lineno + 1 for name, node in top_level(tree).items()}
+    assert {name: n for name, n in lengths.items() if n > LONGEST_DEFINITION} == {}
+    below = {node.name for node in tree.body if node.lineno > banner
+             and isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    below |= {target.id for node in tree.body if isinstance(node, ast.Assign)
+              and node.lineno > banner for target in node.targets if isinstance(target, ast.Name)}
+    used = {name.id for node in tree.body if node.lineno < banner for name in ast.walk(node)
+            if isinstance(name, ast.Name) and name.id in below}
+    assert used <= {"RunGuard", "evaluate_checkpoint", "Adam"} and len(used) <= NAMES_FROM_BELOW
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_torchrun_and_the_processes_plumbing_stay_below_the_banner(script):
+    source, _ = parsed(script)
+    lesson = source[:source.index(BANNER)]
+    for systems_word in ("signal.", "os._exit", "sentinel", "dist.", "world_size", "WorkerError"):
+        assert systems_word not in lesson, systems_word
+    assert len(re.findall(r"self\.average_gradients\(", lesson)) == 1  # the one torchrun hook
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_ratio_has_a_symbol_of_its_own_and_the_derivations_are_where_they_are_computed(script):
+    _, tree = parsed(script)
+    definitions = top_level(tree)
+    docstring = ast.get_docstring(tree)
+    assert "r_t = pi" not in docstring and "rho_t" in docstring
+    gae = ast.get_docstring(definitions["compute_gae"])
+    assert "k-step" in gae or "A_t^(k)" in gae  # GAE from the k-step estimators
+    trainer = definitions["Trainer"]
+    ppo_loss = next(node for node in trainer.body if getattr(node, "name", None) == "ppo_loss")
+    derivation = ast.get_docstring(ppo_loss)
+    for idea in ("Importance sampling", "Why clip", "Why the minimum", "rho_t"):
+        assert idea.lower() in derivation.lower(), idea
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_model_trainer_and_main_share_no_method_name_and_train_fits_a_screen(script):
     _, tree = parsed(script)
     definitions = top_level(tree)
-    methods = {name: {node.name for node in definitions[name].body if isinstance(node, ast.FunctionDef)}
+    methods = {name: {node.name for node in definitions[name].body
+                      if isinstance(node, ast.FunctionDef)} - {"__init__"}
                for name in ("Model", "Trainer", "Main")}
-    methods = {name: names - {"__init__"} for name, names in methods.items()}
     assert not methods["Model"] & methods["Trainer"]
     assert not methods["Model"] & methods["Main"]
     assert not methods["Trainer"] & methods["Main"]
@@ -53,29 +112,31 @@ def test_model_trainer_and_main_share_no_method_name_and_train_fits_a_screen(scr
     assert train.end_lineno - train.lineno + 1 <= 40
 
 
-def members(tree, name):
-    node = top_level(tree)[name]
-    return ({item.name for item in node.body if isinstance(item, ast.FunctionDef)}
-            | {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)})
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_machinery_has_the_same_parts_in_the_same_order(script):
+    _, tree = parsed(script)
+    definitions = list(top_level(tree))
+    assert [name for name in definitions if name in MACHINERY] == MACHINERY
 
 
-def test_both_scripts_name_the_same_things_alike():
-    _, cartpole = parsed("ppo_cartpole.py")
-    _, atari = parsed("ppo_atari.py")
-    for name in ("Minibatch", "Worker", "Trainer", "Main", "RunGuard"):
-        assert members(cartpole, name) == members(atari, name), name
-    # Atari's step result and rollout add what stored-once frames need (`restarted`, the pictures).
-    for name in ("StepResult", "Rollout", "WorkerPool"):
-        assert members(cartpole, name) - {"observations"} <= members(atari, name), name
-    machinery = ["Ranks", "RunGuard", "learner_state", "restore_learner", "save_checkpoint",
-                 "load_checkpoint", "resumed_config", "evaluate_checkpoint", "check_settings",
-                 "inspect_env", "parse_config", "command_line"]
-    for tree in (cartpole, atari):
-        definitions = list(top_level(tree))
-        assert [name for name in definitions if name in machinery] == machinery
+def test_one_name_means_one_thing_in_every_script():
+    trees = {script: parsed(script)[1] for script in SCRIPTS}
+    for script, tree in trees.items():
+        definitions = top_level(tree)
+        assert "orthogonal" not in definitions and "layer" in definitions, script
+        compile_learner = definitions["compile_learner"]
+        assert [arg.arg for arg in compile_learner.args.args] == ["main"], script
+        config_fields = {node.target.id for node in definitions["Config"].body
+                         if isinstance(node, ast.AnnAssign)}
+        assert "normalize_obs" not in config_fields, script
+        game = definitions["Game"]
+        init = next(node for node in game.body if getattr(node, "name", None) == "__init__")
+        assert "num_envs" not in [arg.arg for arg in init.args.args], script  # a Game is one env
+    for script in ("ppo_continuous.py", "ppo_memory.py"):
+        assert "RunningMeanStd" in top_level(trees[script]), script
 
 
-@pytest.mark.parametrize("script", sorted(LESSON_LINES))
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_no_line_is_wider_than_100_columns_and_no_file_outside_the_repository_is_named(script):
     source, _ = parsed(script)
     wide = [number for number, line in enumerate(source.splitlines(), 1) if len(line) > 100]
