@@ -1299,8 +1299,9 @@ class RunLog:
             writer.add_scalar(f"losses/{key}", value, step)
         writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.param_groups[0]["lr"],
                           step)
-        if self.steady_speed() is not None:
-            writer.add_scalar("charts/steps_per_second", self.steady_speed(), step)
+        speed = self.steady_speed()
+        if speed is not None:
+            writer.add_scalar("charts/steps_per_second", speed, step)
         if time.perf_counter() - self.last_print >= 1.0:
             self.print_progress()
 

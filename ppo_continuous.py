@@ -391,7 +391,7 @@ class Trainer:
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
         # Adam with eps 1e-5 instead of 1e-8 (37 details, #3). `Adam` (below the banner) computes
-        # what torch.optim.Adam does, without the second torch.optim's first use costs.
+        # what torch.optim.Adam does, without the second that torch.optim costs at its first use.
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
@@ -1356,8 +1356,9 @@ class RunLog:
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
         writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
-        if self.steady_speed() is not None:
-            writer.add_scalar("charts/steps_per_second", self.steady_speed(), step)
+        speed = self.steady_speed()
+        if speed is not None:
+            writer.add_scalar("charts/steps_per_second", speed, step)
         if time.perf_counter() - self.last_print >= 1.0:
             self.print_progress()
 

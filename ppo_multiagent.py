@@ -1247,8 +1247,9 @@ class RunLog:
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
         writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
-        if self.steady_speed() is not None:
-            writer.add_scalar("charts/steps_per_second", self.steady_speed(), step)
+        speed = self.steady_speed()
+        if speed is not None:
+            writer.add_scalar("charts/steps_per_second", speed, step)
         if time.perf_counter() - self.last_print >= 1.0:
             self.print_progress()
 
