@@ -1,8 +1,7 @@
 """PPO for games with vector observations and discrete actions (CartPole and friends), in one file.
 
-Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the implementation details
-of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022:
-"37 details"), each named where it is implemented.
+Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the details of CleanRL and
+SB3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details") named where used.
 
 The idea. Policy gradient improves a policy with games it just played, and can use each batch of
 them only once: afterwards the policy has changed. PPO reuses each batch ("rollout") for several
@@ -12,41 +11,32 @@ L_clip = mean_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t). The advantage
 better action a_t did than the value V(s_t) expected, comes from the rewards r_t by Generalized
 Advantage Estimation (`compute_gae` derives it).
 
-Read it top to bottom, `Config` to `Main` (the loop); the banner ends the lesson, and below it
-the machinery (engines, torchrun, bookkeeping, checkpoints, evaluation, checks) may be skipped.
-
 Run it:         python ppo_cartpole.py            (CartPole-v1; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_cartpole.py   (data parallel: `Ranks`)
 In a notebook:  from ppo_cartpole import Config, Main; Main(Config(total_timesteps=50_000)).run()
-                (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import math
 import multiprocessing
 import sys
 import typing
-from dataclasses import dataclass, field
 from typing import Optional
 
 SCRIPT = "ppo_cartpole"
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+def option(default, help, check=None):  # a Config field, its --help line, its valid range
+    return dataclasses.field(default=default, metadata={"help": help, "check": check})
 
 
-def option(default, help, check=None):
-    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
-    return field(default=default, metadata={"help": help, "check": check})
-
-
-@dataclass
+@dataclasses.dataclass
 class Config:
-    """Every setting of a run. Each field is also a command-line flag (`num_envs` -> `--num-envs`).
-    The defaults solve CartPole-v1 fastest (benchmarks/README.md has the measurements)."""
+    """Every setting of a run, each a command-line flag (`num_envs` -> `--num-envs`). The defaults
+    solve CartPole-v1 fastest (benchmarks/README.md)."""
 
     # PPO's hyperparameters.
     learning_rate: float = option(8e-3, "Adam's step size, annealed linearly to 0", "> 0")
@@ -74,8 +64,7 @@ class Config:
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
     total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
-    run_dir: Optional[str] = option(
-        None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
+    run_dir: Optional[str] = option(None, "logs, checkpoint, summary (None: a new folder in runs/)")
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
     checkpoint_every: int = option(100_000, "save a checkpoint every this many steps", "> 0")
@@ -88,25 +77,20 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
-    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    """A flag per Config field, read before torch is imported (2 s): --help answers at once."""
     flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
     def refuse(message: str):
         typed = [word for word in message.split() if word.startswith("--")]
         close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
         hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
-        print(f"error: {message}{hint}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"error: {message}{hint}\n")
 
     def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
-        try:
-            number = float(text.replace("_", ""))
-        except ValueError:
-            number = math.nan
-        if not number.is_integer():
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
-        return int(number)
+        with contextlib.suppress(ValueError):
+            if (number := float(text.replace("_", ""))).is_integer():
+                return int(number)
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -129,17 +113,17 @@ import torch.nn as nn
 
 
 class Game:
-    """One gymnasium env as PPO sees it: observations as flat float32 vectors; an action as one
-    index per dimension, from 0. An ended episode restarts in the same step: `step` returns the next
-    episode's first observation, the ended one's last in `info["final_obs"]` (to bootstrap from if
-    it was only truncated: cut by a time limit, not ended by the game), its return and length in
-    `info["episode"]`."""
+    """One gymnasium env as PPO sees it: flat float32 observations, an action as one index per
+    dimension from 0. An ended episode restarts in the same step: `step` returns the next one's
+    first observation, and in `info` the ended one's last ("final_obs", to bootstrap from if a time
+    limit cut it) and its return and length ("episode")."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        # (render_mode only when asked for: envs without rendering need not accept it)
+        # (render_mode only when asked for: an env that cannot draw need not accept it)
         self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
         self.seed, self.action_space = seed, self.env.action_space
         self.episode_return, self.episode_length = 0.0, 0
+        self.render, self.close = self.env.render, self.env.close  # (--video draws the env)
 
     def reset(self) -> np.ndarray:
         # Seed only the first reset: later restarts continue the env's own random stream.
@@ -165,19 +149,11 @@ class Game:
             obs = self.reset()
         return np.asarray(obs, dtype=np.float32).reshape(-1), reward, terminated, truncated, info
 
-    def render(self) -> np.ndarray:
-        return self.env.render()
-
-    def close(self):
-        self.env.close()
-
 
 class Worker:
-    """Runs several Games in a (forked) child process, so that games play on several cores. The
-    trainer sends actions through a pipe; the child answers with rewards, flags and the ended
-    episodes. Observations, the one large array, skip the pipe: the child writes them into shared
-    memory (`obs_view`), which the trainer reads as a tensor without a copy. `GuardedWorker` (below
-    the banner) adds what long runs need: a child that fails is reported, none outlives the run."""
+    """Runs several Games in a child process, so that games play on several cores. The trainer
+    sends actions through a pipe; the child answers with rewards, flags and ended episodes.
+    Observations, the one large array, skip the pipe: they go into shared memory (`obs_view`)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -190,15 +166,13 @@ class Worker:
         self.receive()  # the child's first answer comes once its Games are reset
 
     def start_games(self, env_id: str, seed: int, obs_view: np.ndarray) -> list:
-        """Game i of this worker is seeded with seed + i; first observations into `obs_view`."""
-        games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # game i: seed + i
         obs_view[:] = [game.reset() for game in games]
         return games
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game, observations into `obs_out`. Returns rewards and end flags as arrays, and
-        the ended episodes' final observations and statistics by game index."""
+        """Step each Game (observations into `obs_out`): rewards, end flags, ended episodes."""
         rewards = np.zeros(len(games), dtype=np.float32)
         terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
         final_obs, episodes = {}, {}
@@ -208,8 +182,7 @@ class Worker:
                 final_obs[i], episodes[i] = info["final_obs"], info["episode"]
         return rewards, terminated, truncated, final_obs, episodes
 
-    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
-        """The child process: start the Games, then step them on each command until told to stop."""
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):  # in the child
         games = self.start_games(env_id, seed, obs_view)
         conn.send(("ok", None))
         while (command := conn.recv())[0] == "step":
@@ -218,8 +191,7 @@ class Worker:
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
 
-    def receive(self) -> tuple:
-        """The result of the last `send_step`; the observations are in `obs_view` by then."""
+    def receive(self) -> tuple:  # the last send_step's result; observations are in obs_view
         return self.trainer_end.recv()[1]
 
     def close(self):
@@ -228,9 +200,8 @@ class Worker:
 
 
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
-    """A linear layer with orthogonal weights of the given gain and zero biases (37 details, #2: the
-    hidden layers get sqrt(2), the policy output 0.01 so that all actions start equally likely, the
-    value output 1)."""
+    """Orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2) for hidden layers,
+    0.01 for the policy output so that all actions start equally likely, 1 for the value)."""
     linear = nn.Linear(in_size, out_size)
     nn.init.orthogonal_(linear.weight, gain)
     nn.init.zeros_(linear.bias)
@@ -238,46 +209,37 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 
 
 class Model(nn.Module):
-    """The actor-critic: a policy MLP and a separate value MLP, both 64-64 tanh (37 details, #13:
-    separate networks work better than a shared body on these small games). An action may have
-    several dimensions (MultiDiscrete, MultiBinary): one categorical per
-    dimension, and the log-probability (entropy) of an action is the sum over its dimensions, as if
-    chosen independently (37 details, #23). A binary dimension, a Bernoulli with logit l, is a
-    categorical over {0, 1} with logits (0, l). Dimensions with fewer choices than the largest are
-    padded with logits of -1e9: probability 0, and 0 * log-probability stays 0 in the entropy.
-    """
+    """The actor-critic: separate policy and value MLPs, 64-64 tanh (37 details, #13). An action of
+    several dimensions (MultiDiscrete, MultiBinary) has a categorical per dimension, and its
+    log-probability (entropy) is the sum over them (37 details, #23). A binary dimension with logit
+    l is a categorical over {0, 1} with logits (0, l); dimensions with fewer choices than the
+    largest are padded with logits of -1e9 (probability 0; 0 * log-probability stays 0)."""
 
     def __init__(self, obs_size: int, action_dims: list, binary: bool, hidden_size: int = 64):
         super().__init__()
         self.action_dims, self.binary = list(action_dims), binary
         self.num_choices = max(self.action_dims)
         outputs = len(self.action_dims) if binary else len(self.action_dims) * self.num_choices
-        self.critic = nn.Sequential(
-            layer(obs_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, 1, gain=1.0))
-        self.actor = nn.Sequential(
-            layer(obs_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, outputs, gain=0.01))
+        mlp = lambda out_size, gain: nn.Sequential(  # two tanh hidden layers, then the output
+            layer(obs_size, hidden_size), nn.Tanh(), layer(hidden_size, hidden_size), nn.Tanh(),
+            layer(hidden_size, out_size, gain=gain))
+        self.critic, self.actor = mlp(1, 1.0), mlp(outputs, 0.01)
         padding = torch.zeros(len(self.action_dims), self.num_choices)
         for dim, choices in enumerate(self.action_dims):
             padding[dim, choices:] = -1e9
         self.register_buffer("logit_padding", padding)
 
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
+    def value(self, obs: torch.Tensor) -> torch.Tensor:  # V(s), [batch]
         return self.critic(obs).squeeze(-1)
 
-    def logits(self, obs: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of each choice of each dimension: [batch, dims, n]."""
+    def logits(self, obs: torch.Tensor) -> torch.Tensor:  # [batch, dims, choices]
         out = self.actor(obs)
         if self.binary:
             return torch.stack([torch.zeros_like(out), out], dim=-1)
         return out.view(-1, len(self.action_dims), self.num_choices) + self.logit_padding
 
     def act(self, obs: torch.Tensor, greedy: bool = False):
-        """Choose actions for a batch of observations: (actions [batch, dims], their
-        log-probabilities, the values of the observations)."""
+        """Actions [batch, dims] for observations, their log-probabilities, the values."""
         log_probs = torch.log_softmax(self.logits(obs), dim=-1)
         if greedy:
             actions = log_probs.argmax(-1)
@@ -288,8 +250,8 @@ class Model(nn.Module):
         return actions, log_prob, self.value(obs)
 
     def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor):
-        """For the loss: log-probabilities of the taken actions under the current policy, the
-        entropy of the policy, and the values, all [batch]."""
+        """For the loss: the taken actions' log-probabilities under the current policy, the
+        policy's entropy and the values, all [batch]."""
         log_probs = torch.log_softmax(self.logits(obs), dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).sum((-1, -2))
         entropy = -(log_probs.exp() * log_probs).sum((-1, -2))
@@ -316,10 +278,9 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
                   = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
 
     lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
-    (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
-    the sum there; for a truncation the trainer has already added gamma * V(final observation) to
-    rewards[t] (the episode would have gone on). Readers who know CleanRL: its `dones[t]` means
-    "obs[t] starts a new episode", one step later than here; the advantages are the same.
+    (d_t) when the episode ended at step t (after action t) by termination or truncation: the sum
+    stops there; a truncation's gamma * V(final observation) is already in rewards[t]. (CleanRL's
+    `dones[t]` means "obs[t] starts a new episode", one step later; the advantages are the same.)
     """
     advantages = torch.zeros_like(rewards)
     next_advantage = torch.zeros_like(last_value)
@@ -345,17 +306,14 @@ class Minibatch(typing.NamedTuple):
 
 
 class Rollout:
-    """The rollout buffer: what the current policy saw, did and got, one row per step and env
-    ([num_steps, num_envs, ...]), on the training device."""
+    """What the current policy saw, did and got: [num_steps, num_envs, ...], on the device."""
 
     def __init__(self, config: Config, obs_size: int, num_dims: int, device: torch.device):
         shape = (config.num_steps, config.num_envs)
         self.obs = torch.zeros(shape + (obs_size,), device=device)
         self.actions = torch.zeros(shape + (num_dims,), dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.rewards = torch.zeros(shape, device=device)
-        self.dones = torch.zeros(shape, device=device)
+        self.log_probs, self.values, self.rewards, self.dones = (
+            torch.zeros(shape, device=device) for _ in range(4))
 
     def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
         """The rows of flat indices (step * num_envs + env)."""
@@ -365,20 +323,17 @@ class Rollout:
 
 
 class Trainer:
-    """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
-    bonus, and a gradient step with the global gradient norm clipped."""
+    """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, gradient clip."""
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3). `Adam` (below the banner) computes
-        # what torch.optim.Adam does, without the second that torch.optim costs at its first use.
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3); `Adam` is torch.optim.Adam's arithmetic.
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
-        it (all [batch]): the negated objective, to be minimised.
+        """The negated PPO objective of a minibatch (to be minimised) and its diagnostics.
 
         Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
         gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
@@ -396,21 +351,17 @@ class Trainer:
         things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
         smaller one, and its gradient pulls back.
         """
-        # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
-        # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
-        advantages = minibatch.advantages
+        advantages = minibatch.advantages  # normalised per minibatch (37 details, #7)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
-        # The clipped surrogate (37 details, #8), negated to be minimised: the max of the negated
-        # terms is the min of the paper's.
+        # The clipped surrogate (37 details, #8), negated: the max of the negations is the min.
         log_ratio = new_log_probs - minibatch.old_log_probs
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
 
-        # Value loss (37 details, #9): squared error to the GAE returns; optionally clipped like the
-        # policy, around the values of the rollout. Off by default here: on CartPole the returns
-        # grow faster than a clipped value can follow (benchmarks/README.md).
+        # Value loss (37 details, #9): squared error to the GAE returns, optionally clipped around
+        # the rollout's values like the policy (off here: CartPole's returns outgrow the clip).
         returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
         if config.clip_value_loss:
             clipped = old_values + (new_values - old_values).clamp(-clip, clip)
@@ -423,9 +374,8 @@ class Trainer:
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
 
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator
-        # (rho - 1) - log rho (Schulman, "Approximating KL divergence", 2020) and the share of
-        # samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL by the low-variance (rho - 1) - log rho
+        # (Schulman, "Approximating KL divergence", 2020), and the share the clip touched.
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
             clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
@@ -433,45 +383,31 @@ class Trainer:
                  "approx_kl": approx_kl, "clip_fraction": clip_fraction}
         return loss, stats
 
-    def compute_loss(self, minibatch: Minibatch):
-        """The loss of a minibatch under the current weights (what --compile compiles)."""
+    def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
         new_log_probs, entropy, new_values = self.model.evaluate_actions(minibatch.obs,
                                                                          minibatch.actions)
         return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One gradient step on one minibatch. Returns the diagnostics as tensors (no host sync)."""
+    def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
         self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
-        # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
-        # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
+        # Global gradient clipping (37 details, #11): all gradients scaled to norm <= max_grad_norm.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
         self.optimizer.step()
         return stats
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """How much of the returns' variance the value function predicts: 1 perfectly, 0 not at all (a
-    diagnostic, 37 details, #12). A constant return leaves nothing to explain: 0."""
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
-
-
 class Main:
-    """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
-    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps in each of
-    num_envs games with the current policy, estimate each step's advantage with GAE, then take
-    update_epochs passes over the rollout in shuffled minibatches, one clipped gradient step each.
-    The `RunGuard` (below the banner) sets up, logs, saves and stops, so `train` reads as PPO."""
+    """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
+    One iteration (37 details, #6): play num_steps steps in each of num_envs games, estimate each
+    step's advantage with GAE, then take update_epochs passes over the rollout in minibatches."""
 
     def __init__(self, config: Config):
-        self.config = config
-        self.guard = None
-        self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
+        self.config, self.guard = config, None
+        self.anneal_from = (0, config.learning_rate)  # (step, rate) where annealing starts
 
     def run(self) -> dict:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
@@ -483,8 +419,7 @@ class Main:
             self.model = Model(guard.obs_size, guard.action_dims, guard.binary, config.hidden_size)
             self.trainer = Trainer(self.model.to(guard.device), config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # The games: CartPole-v1 runs on a vectorised engine that plays the same game as Game,
-            # 64 poles in a few numpy operations (tests/ hold the two equal, step by step).
+            # The games: CartPole-v1 runs on a vectorised engine, the same game as Game (tests/).
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, len(guard.action_dims), guard.device)
             next_obs = self.games.observations()
@@ -499,9 +434,7 @@ class Main:
         return guard.summary
 
     def anneal_learning_rate(self):
-        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts. A resumed run with another total anneals
-        from the rate it had to 0 over the steps left (`anneal_from`, set by the guard)."""
+        """Linear annealing (37 details, #4), from learning_rate at step 0 to 0 at the end."""
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
@@ -509,23 +442,20 @@ class Main:
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps in every game with the current policy, filling the rollout buffer.
-        Returns the observation after the last step."""
+        """Play num_steps steps in every game, filling the rollout; returns the next observation."""
         config, rollout, device = self.config, self.rollout, self.guard.device
         ended = []  # (global step, statistics) of the episodes that end
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C
                 break
             rollout.obs[step] = next_obs
-            actions, log_probs, values = self.model.act(next_obs)
-            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = (
-                actions, log_probs, values)
+            actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
+            rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
             next_obs = self.games.observations()
             rewards = torch.from_numpy(result.rewards).to(device)
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
-            # last reward gets the value of where it stood, gamma * V(final observation), added.
-            # Then the done flag below can cut GAE's sum for both kinds of endings (compute_gae).
+            # last reward gets gamma * V(final observation); then `dones` cuts GAE at both ends.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
                 cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
@@ -547,37 +477,33 @@ class Main:
         return advantages, advantages + rollout.values
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-        """update_epochs passes over the rollout in shuffled minibatches, one gradient step each.
-        Returns the mean diagnostics as floats (the only host sync of the update)."""
-        config = self.config
-        batch_size = config.num_envs * config.num_steps
-        minibatch_size = batch_size // config.num_minibatches
-        totals, count = {}, 0
+        """update_epochs passes over the rollout in shuffled minibatches; the mean diagnostics."""
+        config, batch_size = self.config, self.config.num_envs * self.config.num_steps
+        minibatch_size, steps = batch_size // config.num_minibatches, []
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
             for start in range(0, batch_size, minibatch_size):
-                indices = order[start:start + minibatch_size]
-                stats = self.trainer.gradient_step(self.rollout.minibatch(indices, advantages,
-                                                                          returns))
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach()
-                count += 1
-            # Early stop (37 details, #12, optional): once the policy has moved too far from the one
-            # that collected the data, further epochs would only push it beyond the trust region.
+                minibatch = self.rollout.minibatch(order[start:start + minibatch_size],
+                                                   advantages, returns)
+                steps.append(self.trainer.gradient_step(minibatch))  # diagnostics, as tensors
+            # Early stop (37 details, #12, optional): the policy moved too far from the data's.
             if (config.target_kl is not None
-                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
+                    and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
-        stats = {key: (value / count).item() for key, value in totals.items()}
-        stats["explained_variance"] = explained_variance(self.rollout.values, returns)
+        stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
+                 for key in steps[0]}  # the only host sync of the update
+        # Explained variance (37 details, #12): 1 - Var[R - V] / Var[R], 1 if V predicts R.
+        variance, unexplained = returns.var().item(), (returns - self.rollout.values).var().item()
+        stats["explained_variance"] = 0.0 if variance == 0 else 1 - unexplained / variance
         return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# engines the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` (set-up, Ctrl-C,
-# failures, logging, summary); checkpoints; evaluation and video; the checks of the user's input;
-# the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
+# the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up,
+# Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the input checks; the
+# command line.
 
 import copy
 import datetime
@@ -601,11 +527,10 @@ from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
 
 
 class SameStepCartPole(CartPoleVectorEnv):
-    """gymnasium's vectorised CartPole (64 poles in a few numpy operations, in about the time a
-    Python loop takes for 10 Games), made to restart an ended pole in the same step, as Game does:
-    the library restarts it at its *next* step, ignoring that step's action. Here the restart
-    happens at once, with the very draw the library would make one step later; tests/ check the
-    two step by step."""
+    """gymnasium's vectorised CartPole (64 poles in a few numpy operations, the time a Python loop
+    takes for 10 Games), made to restart an ended pole in the same step, as Game does: the library
+    restarts it at its *next* step, ignoring that step's action. Here the restart happens at once,
+    with the very draw the library would make one step later (tests/ hold the two equal)."""
 
     ENTRY_POINT = "gymnasium.envs.classic_control.cartpole:CartPoleVectorEnv"
 
@@ -623,9 +548,9 @@ class SameStepCartPole(CartPoleVectorEnv):
 
 
 class CartPoleGames:
-    """For CartPole, a Worker's Games are one SameStepCartPole of all its poles (one random
-    generator, seeded with the worker's first seed): WorkerPool mixes this into the Worker class,
-    whose `start_games` and `step_games` then give what they give for a list of Games."""
+    """For CartPole, a Worker's Games are one SameStepCartPole of all its poles, seeded with the
+    worker's first seed: WorkerPool mixes this class into the Worker's, whose `start_games` and
+    `step_games` then give what they give for a list of Games."""
 
     def start_games(self, env_id: str, seed: int, obs_view: np.ndarray) -> SameStepCartPole:
         spec = gym.spec(env_id)
@@ -656,10 +581,10 @@ class CartPoleGames:
 
 class GuardedWorker(Worker):
     """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
-    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
-    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
-    reported at once (WorkerError) instead of blocking `recv()` forever."""
+    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
+    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
+    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
+    instead of blocking `recv()` forever."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
@@ -675,22 +600,20 @@ class GuardedWorker(Worker):
         except (EOFError, BrokenPipeError, KeyboardInterrupt):
             pass  # the trainer is gone or stopping: just exit
         except Exception as error:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
     def send_step(self, actions: np.ndarray):
-        try:
+        with contextlib.suppress(OSError):  # a child that is gone: receive() says how
             super().send_step(actions)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         if self.trainer_end in ready:
             try:
                 status, payload = self.trainer_end.recv()
@@ -700,19 +623,15 @@ class GuardedWorker(Worker):
                 return payload
             if status == "error":
                 raise WorkerError(f"{name} failed: {payload}")
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+               else f"exit code {code}")
         raise WorkerError(f"{name} died ({how})")
 
     def close(self):
-        try:
+        with contextlib.suppress(OSError):
             self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
         self.trainer_end.close()
         self.process.join(timeout=2.0)
         if self.process.is_alive():
@@ -754,13 +673,12 @@ class StepResult(typing.NamedTuple):
 
 
 class WorkerPool:
-    """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one
-    in this process with --num-workers 0). Their observations land in one [num_envs, obs_size]
-    array (shared memory with child processes), read as a tensor without a copy."""
+    """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
+    this process with --num-workers 0), their observations in one [num_envs, obs_size] array
+    (shared memory with child processes), read as a tensor without a copy."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
-        self.device = device
-        self.workers, self.shared_obs = [], None
+        self.device, self.workers, self.shared_obs = device, [], None
         shape = (config.num_envs, obs_size)
         if config.num_workers == 0:
             self.obs_array = np.zeros(shape, dtype=np.float32)
@@ -782,8 +700,7 @@ class WorkerPool:
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:
-            # Mapped by the children now: unlinked at once, no segment outlives the run in /dev/shm.
+        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
             self.shared_obs.unlink()
         self.obs_tensor = torch.from_numpy(self.obs_array)
 
@@ -813,21 +730,18 @@ class WorkerPool:
             self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
             self.shared_obs.close()
             self.shared_obs = None
+
 # ----- Adam and compilation -----------------------------------------------------------------------
 
 
 class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
-    the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
-    torch.optim.Adam: its first use imports torch._dynamo, which takes over a second, a share of
-    a short run (benchmarks/README.md). tests/ check this class against torch.optim.Adam.
-    """
+    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
+    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
+    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
+    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params = list(params)
-        self.lr, self.eps, self.betas = lr, eps, betas
-        self.steps = 0
+        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
 
@@ -837,20 +751,17 @@ class Adam:
 
     @torch.no_grad()
     def step(self):
-        beta1, beta2 = self.betas
+        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
         self.steps += 1
-        bias_correction1 = 1 - beta1 ** self.steps
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.steps)
-        grads = [p.grad for p in self.params]
         # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
         torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
         torch._foreach_mul_(self.exp_avg_sq, beta2)
         torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
         # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
         denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, bias_correction2_sqrt)
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
         torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / bias_correction1
+        step_size = self.lr / (1 - beta1 ** self.steps)
         torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
 
     def state_dict(self) -> dict:
@@ -859,17 +770,17 @@ class Adam:
 
     def load_state_dict(self, state: dict):
         self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        saved = state["exp_avg"] + state["exp_avg_sq"]
-        for mine, theirs in zip(self.exp_avg + self.exp_avg_sq, saved):
-            mine.copy_(theirs)
+        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
+                               state["exp_avg"] + state["exp_avg_sq"]):
+            mine.copy_(saved)
 
 
 def compile_learner(main: Main):
-    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and for
-    the loss (its backward is compiled with it). It costs seconds to compile, which CartPole never
-    earns back, hence off by default. Compiling the bound methods, not the modules, keeps the
-    checkpoint's parameter names as they are. Both are compiled here, on inputs of the sizes they
-    will see, so that a machine that cannot compile falls back to eager at once, with a warning."""
+    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and the
+    loss (its backward compiled with it): seconds that CartPole never earns back, hence off by
+    default. Compiling the bound methods, not the modules, keeps the checkpoint's parameter names.
+    Both are compiled here, on inputs of the sizes they will see, so that a machine that cannot
+    compile falls back to eager at once, with a warning."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
     networks = (model.actor, model.critic)
@@ -896,11 +807,9 @@ def compile_learner(main: Main):
 
 
 def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
-    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
-    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
-    reads as if something were wrong. A filter on that logger drops this one message."""
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
+    loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
 
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
@@ -913,21 +822,18 @@ class Ranks:
     """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
     torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
-    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
-    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
-    minibatches, but the ranks average their gradients before each step, so all take the same step
-    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
-    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
-    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
-    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
-    world of one, and every method returns at once.
-    """
+    Data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs games (env
+    i of rank r gets seed + r * num_envs + i) and splits its own rollout into minibatches, but the
+    ranks average their gradients before each step, so all hold the same weights.
+    --total-timesteps, the learning-rate schedule and --checkpoint-every count the steps of all
+    ranks (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no
+    rank waits in a collective the others skipped; rank 0 writes the files. Without torchrun: a
+    world of one, and every method returns at once."""
 
     def __init__(self, device: torch.device):
         self.distributed = "WORLD_SIZE" in os.environ  # set by torchrun
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        self.device = device
+        self.rank, self.device = int(os.environ.get("RANK", 0)), device
         if not self.distributed:
             return
         if device.type == "cuda":  # one GPU per rank: the LOCAL_RANK-th of its machine
@@ -985,18 +891,16 @@ class Ranks:
 
     def from_rank_0(self, make):
         """make() run on rank 0 only; its result, or the UsageError it raised, on every rank."""
-        if not self.distributed:
-            return make()
-        result = [None]
+        result = None
         if self.rank == 0:
             try:
-                result[0] = make()
+                result = make()
             except UsageError as error:
-                result[0] = error
-        self.collective(dist.broadcast_object_list, result, 0)
-        if isinstance(result[0], UsageError):
-            raise result[0]
-        return result[0]
+                result = error
+        result = self.gather(result)[0]
+        if isinstance(result, UsageError):
+            raise result
+        return result
 
     def copy_from_rank_0(self, tensors):
         """Overwrite the tensors (the initial weights) with rank 0's."""
@@ -1010,17 +914,20 @@ class Ranks:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
         digests = self.gather(digest.hexdigest())
-        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        differ = [str(rank) for rank, other in enumerate(digests) if other != digests[0]]
         if differ:
-            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank "
-                            f"0's at the end of the run")
+            raise RankError(f"the weights of rank {', '.join(differ)} differ from rank 0's at "
+                            f"the end of the run")
 
     def close(self):
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-
 # ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
 
 
 class WorkerError(RuntimeError):
@@ -1050,11 +957,7 @@ class RunGuard:
         self.previous_threads = torch.get_num_threads()
         self.ranks = self.games = self.log = self.summary = None
 
-    @property
-    def config(self) -> Config:
-        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
-        return self.main.config
-
+    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
@@ -1083,15 +986,13 @@ class RunGuard:
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Reproducibility: every random draw of the trainer comes from torch's seeded generator
-        # (action sampling, minibatch shuffling), and each game from its own seeded generator.
-        # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
+        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
+        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
-        # One thread is fastest for networks this small: splitting a 64-unit layer over threads
-        # costs more than it saves (benchmarks/README.md). Given back when the run ends.
+        # One thread is fastest for networks this small (benchmarks/README.md); given back after.
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
@@ -1127,10 +1028,9 @@ class RunGuard:
         return self.ranks.mean([value])[0]
 
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
-        Under torchrun the ranks meet here once per rollout: each learns every rank's episodes, in
-        the same order (by step, then rank), and whether any was asked to stop, so all take the
-        same decisions."""
+        """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
+        torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
+        same order (by step, then rank), and whether any was asked to stop."""
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1204,11 +1104,17 @@ class RunLog:
         self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
         self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
-        self.last_print = 0.0
-        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+        self.last_print, self.writer = 0.0, None
+        if guard.ranks.rank == 0:  # rank 0 speaks for all; TensorBoard shows the settings too
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(guard.run_dir))
+            rows = "\n".join(f"|{key}|{value}|" for key, value in
+                             dataclasses.asdict(guard.config).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
 
     def say(self, line: str):
-        if self.writer is not None:  # rank 0 speaks for all
+        if self.writer is not None:
             print(line, flush=True)
 
     def start(self):
@@ -1293,7 +1199,7 @@ class RunLog:
 
     def finish(self, interrupted: bool, failed: bool) -> dict:
         """Write summary.json, print the last progress line (once) and how the run ended."""
-        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
         speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
             "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
@@ -1324,19 +1230,6 @@ class RunLog:
             self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def make_writer(run_dir: Path, config: Config):
-    """TensorBoard writer, with the hyperparameters as a text table."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir))
-    rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    return writer
-
-
-
 
 # ----- Checkpoints --------------------------------------------------------------------------------
 
@@ -1370,10 +1263,9 @@ def restore_learner(main: Main, state: dict):
 
 
 def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
-    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
-    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
-    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
-    never jumps; a new --learning-rate starts there."""
+    """Where a resumed run anneals the learning rate from, as (step, rate): as saved with the
+    checkpoint's total and rate; with another --total-timesteps from `rate` (the last update's) to 0
+    over the steps left, so that it never jumps; a new --learning-rate starts there."""
     saved = checkpoint["config"]
     if config.learning_rate != saved["learning_rate"]:
         return step, config.learning_rate
@@ -1384,8 +1276,7 @@ def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float)
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
     """Write to a temporary file, then rename: a crash or a full disk never leaves half a
-    checkpoint, and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold
-    the same learner)."""
+    checkpoint, and a failed write keeps the previous one. Rank 0 writes (all hold the same)."""
     if ranks.rank != 0:
         return
     temporary = path.with_suffix(".tmp")
@@ -1401,13 +1292,11 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
 
 def find_checkpoint(path: str) -> Path:
     """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
-    if Path(path).is_dir():
-        if not (Path(path) / "checkpoint.pt").is_file():
-            raise UsageError(f"run folder {path} holds no checkpoint.pt")
-        return Path(path) / "checkpoint.pt"
-    if not Path(path).is_file():
-        raise UsageError(f"checkpoint {path} not found")
-    return Path(path)
+    found = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
+    if not found.is_file():
+        raise UsageError(f"run folder {path} holds no checkpoint.pt" if Path(path).is_dir()
+                         else f"checkpoint {path} not found")
+    return found
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1423,13 +1312,12 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
-    checkpoint["path"] = str(path)
-    return checkpoint
+    return {**checkpoint, "path": str(path)}
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
+    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
     checkpoint's folder unless given. A different env or network is refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
@@ -1442,7 +1330,6 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
                              f"{saved.get(name)}, not {changed[name]}")
     return Config(**{**saved, **changed})
 
-
 # ----- Evaluation and video -----------------------------------------------------------------------
 
 
@@ -1452,19 +1339,15 @@ def evaluate_checkpoint(given: Config) -> dict:
     check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
-    obs_size, action_dims, binary = inspect_env(config.env)
-    model = Model(obs_size, action_dims, binary, config.hidden_size)
+    model = Model(*inspect_env(config.env), config.hidden_size)
     model.load_state_dict(checkpoint["model"])
     torch.manual_seed(config.seed)
-    run_dir = Path(config.run_dir)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
-    video = None
-    obs = game.reset()
-    returns = []
+    video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
     try:
         while len(returns) < config.eval_episodes:
             if config.video:
-                video = write_frame(video, game, run_dir / "eval.mp4")
+                video = write_frame(video, game, path)
             actions, _, _ = model.act(torch.from_numpy(obs)[None], greedy=config.greedy)
             obs, _, _, _, info = game.step(actions[0].numpy())
             if "episode" in info:
@@ -1478,15 +1361,14 @@ def evaluate_checkpoint(given: Config) -> dict:
     episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
     print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
     if video is not None:
-        print(f"video: {run_dir / 'eval.mp4'}")
+        print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
             "std_return": std, "returns": returns, "greedy": config.greedy,
-            "video": str(run_dir / "eval.mp4") if video is not None else None}
+            "video": str(path) if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
-    """Append the game's current picture to the mp4 (OpenCV's VideoWriter, opened at the first
-    frame)."""
+    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
     import cv2  # only --video needs OpenCV
 
     # pygame, which draws the classic-control games, would open SDL's display and sound drivers
@@ -1504,25 +1386,24 @@ def write_frame(video, game: Game, path: Path):
     video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
     return video
 
-
 # ----- Checking the input -------------------------------------------------------------------------
 
 
-RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
-          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
+RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
+          "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
+          "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
     for f in dataclasses.fields(Config):
-        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
-        flag = flag.replace("_", "-")
+        value, rule = getattr(config, f.name), f.metadata["check"]
+        flag = "--" + f.name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number, not {value}")
-        if rule is not None and value is not None and not RANGES[rule](value):
-            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
-            raise UsageError(f"{flag} must be {wanted}, not {value}")
+        if rule is not None and value is not None and not RANGES[rule][0](value):
+            raise UsageError(f"{flag} must be {RANGES[rule][1]}, not {value}")
     for flag in ("video", "greedy"):
         if getattr(config, flag) and not config.eval:
             raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
@@ -1544,12 +1425,10 @@ def inspect_env(env_id: str):
     """Check that the env exists and that this script can play it. Returns (observation size,
     number of choices of each action dimension, whether the actions are binary)."""
     if env_id not in gym.registry:
-        try:
-            import ale_py  # registers the Atari ids, to tell the user where those belong
+        with contextlib.suppress(ImportError):  # ale-py registers the Atari ids: say where they go
+            import ale_py
 
             gym.register_envs(ale_py)
-        except ImportError:
-            pass
         if env_id in gym.registry:
             raise UsageError(f"{env_id} is an Atari game: use ppo_atari.py")
         close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
@@ -1589,8 +1468,8 @@ def pick_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but torch sees no CUDA device here: use --device cpu")
@@ -1616,14 +1495,12 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
             path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        (run_dir / ".write-test").write_text("")
+        (run_dir / ".write-test").unlink()
     except OSError as error:
-        reason = error.strerror or error
-        raise UsageError(f"cannot write to --run-dir {run_dir}: {reason}") from None
+        raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}"
+                         ) from None
     return run_dir
-
 
 # ----- The command line ---------------------------------------------------------------------------
 
