@@ -1,49 +1,37 @@
-"""PPO for many agents with one shared policy (PettingZoo parallel envs, MPE2's simple_spread), in
-one file: the PPO paper (Schulman et al., 2017) with the details of CleanRL and SB3 ("The 37
-Implementation Details of PPO", Huang et al., 2022: "37 details") and of MAPPO (Yu et al., 2022:
-"MAPPO paper"), each named where it is implemented.
+"""PPO for many agents sharing one policy, on PettingZoo parallel envs (MPE2's simple_spread): the
+PPO paper (Schulman et al., 2017) with "The 37 Implementation Details of PPO" (Huang et al., 2022:
+"37 details") and the MAPPO paper (Yu et al., 2022), each cited where it is implemented.
 
 PPO plays a rollout with the current policy, learns from it for several epochs of minibatch steps,
 and clips the probability ratio rho_t = pi(a_t|s_t) / pi_old(a_t|s_t) so that the new policy stays
-near the one that played (`Trainer.ppo_loss` derives it); the advantages come from the rewards r_t
-by GAE (`compute_gae` derives it). Many agents: one network plays every agent of every env
-("parameter sharing"), each agent's step one more row of the batch. The critic sees the env's
-global state and the agent's id (`--central-value`, MAPPO's centralised critic) or the agent's own
-observation (independent PPO); `--agent-id` shows the policy the id too. Agents absent from their
-env (done early, or not yet there) are masked out of every loss and statistic. Returns are per
-agent (the mean over an env's agents) and per team (their sum).
+near the one that played (`Trainer.ppo_loss` derives it); advantages come from the rewards r_t by
+GAE (`compute_gae`). Many agents: one network plays every agent of every env (parameter sharing),
+each agent's step a row of the batch (`Game`); the critic sees the env's global state (MAPPO) or
+the agent's own observation (`Model`); absent agents are masked out of every loss (`Trainer`).
 
-Run it:         python ppo_multiagent.py   (MPE2 simple_spread_v3; --help lists every flag)
-Another env:    python ppo_multiagent.py --env mpe2.simple_spread_v3 --env-kwargs N=5
+Run it:         python ppo_multiagent.py   (--help lists every flag; --env-kwargs N=5: 5 agents)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_multiagent.py  (data parallel)
 In a notebook:  from ppo_multiagent import Config, Main; Main(Config(total_timesteps=60_000)).run()
-                (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import math
 import multiprocessing
 import pkgutil
-import sys
 import typing
-from dataclasses import dataclass, field
 from typing import Optional
 
 SCRIPT = "ppo_multiagent"
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+def option(default, help, check=None):  # a Config field, its --help line, its valid range
+    return dataclasses.field(default=default, metadata={"help": help, "check": check})
 
 
-def option(default, help, check=None):
-    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
-    return field(default=default, metadata={"help": help, "check": check})
-
-
-@dataclass
+@dataclasses.dataclass
 class Config:
     """Every setting of a run, each also a flag (`num_envs` -> `--num-envs`); the defaults learn
     simple_spread fastest (benchmarks/README.md). A step is one agent acting once (as in SB3)."""
@@ -64,14 +52,12 @@ class Config:
     hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs", "> 0")
     agent_id: bool = option(False, "show each agent a one-hot of its index (the policy's input)")
     central_value: bool = option(True, "the critic sees the global state and agent id (MAPPO)")
-
     # Collecting experience.
     env: str = option("mpe2.simple_spread_v3", "PettingZoo parallel env, as module.name")
     env_kwargs: str = option("", "the env's own options, e.g. N=5,local_ratio=0.3")
     num_envs: int = option(16, "envs played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(2, "child processes that run the envs (0 = in this process)", ">= 0")
     num_steps: int = option(25, "env steps per env in each rollout", "> 0")
-
     # The run.
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
     total_timesteps: int = option(600_000, "agent steps over all agents, envs (and ranks)", "> 0")
@@ -90,25 +76,20 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
-    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    """A flag per Config field, read before torch is imported (2 s): --help answers at once."""
     flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
     def refuse(message: str):
         typed = [word for word in message.split() if word.startswith("--")]
         close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
         hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
-        print(f"error: {message}{hint}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"error: {message}{hint}\n")
 
     def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
-        try:
-            number = float(text.replace("_", ""))
-        except ValueError:
-            number = math.nan
-        if not number.is_integer():
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
-        return int(number)
+        with contextlib.suppress(ValueError):
+            if (number := float(text.replace("_", ""))).is_integer():
+                return int(number)
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -130,25 +111,19 @@ import torch.nn as nn
 
 
 class Game:
-    """One PettingZoo parallel env, all of whose agents the shared policy plays; each value below is
-    an array over its agent slots (`possible_agents`). An agent's row is what the network reads:
-    its observation; with --agent-id a one-hot of its slot (so that alike agents can act apart);
-    with --central-value then the env's global state and the one-hot again, the critic's input.
-    An absent agent (done before the others, or not yet there) has a row of zeros and `present`
-    False. `info["final_obs"]` holds the last rows of the agents whose episode ended (`_final_obs`
-    marks them), to bootstrap from if a time limit cut it. When all are done, the env restarts in
-    the same step; `info["episode"]` has the return per agent (their mean), per team, the length."""
+    """One PettingZoo parallel env whose agents the shared policy plays; each value is an array over
+    its agent slots (`possible_agents`). An agent's row, what the networks read: its observation;
+    with --agent-id a one-hot of its slot (so that alike agents can act apart); with --central-value
+    the env's global state and the one-hot again (the critic's input). An absent agent (done early,
+    or not yet there) has a row of zeros and `present` False. `info["final_obs"]` holds the last
+    rows of agents whose episode ended (`_final_obs` marks them); all done, it restarts at once."""
 
     def __init__(self, env_id: str, seed: int, env_kwargs: Optional[dict] = None,
-                 agent_id: bool = False, central_value: bool = False,
-                 render_mode: Optional[str] = None):
-        # --env names what has parallel_env(), e.g. the module mpe2.simple_spread_v3
-        options = {"render_mode": render_mode} if render_mode else {}  # (only when asked for)
-        self.env = pkgutil.resolve_name(env_id).parallel_env(**(env_kwargs or {}), **options)
+                 agent_id: bool = False, central_value: bool = False):
+        self.env = pkgutil.resolve_name(env_id).parallel_env(**(env_kwargs or {}))
         self.agents = list(self.env.possible_agents)
-        self.num_agents = len(self.agents)
+        self.num_agents, self.one_hot = len(self.agents), np.eye(len(self.agents), dtype=np.float32)
         self.seed, self.agent_id, self.central_value = seed, agent_id, central_value
-        self.one_hot = np.eye(self.num_agents, dtype=np.float32)
 
     def reset(self) -> np.ndarray:
         # Seed only the first reset: later restarts continue the env's own random stream.
@@ -157,14 +132,12 @@ class Game:
         self.returns, self.ever_present = np.zeros(self.num_agents), np.zeros(self.num_agents, bool)
         return self.observe(observations)
 
-    def observe(self, observations: dict) -> np.ndarray:
-        """The rows of the agents in the env now; marks them present."""
+    def observe(self, observations: dict) -> np.ndarray:  # marks the agents in the env present
         self.present = np.array([agent in self.env.agents for agent in self.agents])
         self.ever_present |= self.present
         return self.rows(observations, self.present)
 
-    def rows(self, observations: dict, which: np.ndarray) -> np.ndarray:
-        """Each agent's row [num_agents, row size] for the agents `which` marks; zeros elsewhere."""
+    def rows(self, observations: dict, which) -> np.ndarray:  # [agents, row size]: 0 unless which
         state = np.asarray(self.env.state(), np.float32).ravel() if self.central_value else None
         rows = {slot: np.concatenate([np.asarray(observations[agent], np.float32).ravel()]
                                      + [self.one_hot[slot]] * self.agent_id
@@ -173,32 +146,28 @@ class Game:
         absent = np.zeros(len(next(iter(rows.values()))), np.float32)
         return np.stack([rows.get(slot, absent) for slot in range(self.num_agents)])
 
-    def step(self, actions: np.ndarray):
-        """One env step: `actions` holds one action per slot (those of absent agents are unused)."""
-        acting = {agent: int(actions[slot]) for slot, agent in enumerate(self.agents)
-                  if self.present[slot]}
+    def step(self, actions: np.ndarray):  # one action per slot (an absent agent's is unused)
+        acting = {agent: int(actions[i]) for i, agent in enumerate(self.agents) if self.present[i]}
         observations, rewards, terminations, truncations, _ = self.env.step(acting)
         reward = np.array([rewards.get(agent, 0.0) for agent in self.agents], np.float32)
-        terminated = np.array([bool(terminations.get(agent, False)) for agent in self.agents])
-        truncated = np.array([bool(truncations.get(agent, False)) for agent in self.agents])
+        terminated, truncated = (np.array([bool(flags.get(agent, False)) for agent in self.agents])
+                                 for flags in (terminations, truncations))
         self.returns, self.length = self.returns + reward, self.length + 1
         info, ended = {}, terminated | truncated
         if ended.any():
             info["_final_obs"], info["final_obs"] = ended, self.rows(observations, ended)
         if self.env.agents:
             return self.observe(observations), reward, terminated, truncated, info
-        played = self.returns[self.ever_present]  # every agent is done: the episode is over
+        played = self.returns[self.ever_present]  # all done: returns per agent (mean), per team
         info["episode"] = {"return": float(played.mean()), "team_return": float(played.sum()),
                            "length": self.length}
         return self.reset(), reward, terminated, truncated, info
 
 
 class Worker:
-    """Runs several Games in a (forked) child process, so that envs play on several cores. Actions
-    go through a pipe, and rewards, flags and ended episodes come back; the rows, the one large
-    array, skip the pipe: the child writes them into shared memory (`obs_view`, read by the trainer
-    as a tensor without a copy). `GuardedWorker` (below the banner) adds what a long run needs: a
-    child that dies or fails is reported at once, Ctrl-C is the trainer's, none outlives it."""
+    """Runs several Games in a child process, so that envs play on several cores. The trainer sends
+    actions through a pipe; the child answers with rewards, flags and ended episodes. The rows, the
+    one large array, skip the pipe: they go into shared memory (`obs_view`), read as a tensor."""
 
     def __init__(self, index: int, env_id: str, seeds: list, options: dict, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -212,25 +181,19 @@ class Worker:
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game; row game * num_agents + slot of `obs_out` gets that agent's row (the
-        batch layout). Returns the rest by row (rewards, flags, who is present now, final rows of
-        the agents whose episode ended) and the ended episodes by game index."""
-        rewards = np.empty(len(obs_out), dtype=np.float32)
-        terminated, truncated, present = (np.empty(len(obs_out), dtype=bool) for _ in range(3))
-        final_obs, episodes = {}, {}
-        for index, game in enumerate(games):
-            rows = slice(index * game.num_agents, (index + 1) * game.num_agents)
-            obs_out[rows], rewards[rows], terminated[rows], truncated[rows], info = game.step(
-                actions[rows])
-            present[rows] = game.present
-            for slot in np.flatnonzero(info.get("_final_obs", ())):
-                final_obs[rows.start + slot] = info["final_obs"][slot]
-            if "episode" in info:
-                episodes[index] = info["episode"]
+        """Step each Game. Row game * num_agents + slot (the batch layout) holds that agent's row in
+        `obs_out`, reward, flags, presence and final row if it ended; ended episodes by game."""
+        n = games[0].num_agents
+        results = [game.step(actions[i * n:(i + 1) * n]) for i, game in enumerate(games)]
+        obs_out[:] = np.concatenate([obs for obs, *_ in results])
+        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[1:4])
+        final_obs = {i * n + slot: info["final_obs"][slot] for i, (*_, info) in enumerate(results)
+                     for slot in np.flatnonzero(info.get("_final_obs", ()))}
+        episodes = {i: info["episode"] for i, (*_, info) in enumerate(results) if "episode" in info}
+        present = np.concatenate([game.present for game in games])
         return rewards, terminated, truncated, present, final_obs, episodes
 
-    def child_loop(self, conn, seeds: list, options: dict):
-        """The child process: make and reset the Games, then step them until told to stop."""
+    def child_loop(self, conn, seeds: list, options: dict):  # in the child, until told to stop
         games = [Game(self.env_id, seed, **options) for seed in seeds]  # Game i: seeds[i]
         self.obs_view[:] = np.concatenate([game.reset() for game in games])
         conn.send(("ok", np.concatenate([game.present for game in games])))
@@ -258,15 +221,13 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 
 
 class Model(nn.Module):
-    """The actor-critic shared by all agents: a policy MLP and a separate value MLP, both 64-64 tanh
-    (37 details, #13). The policy reads a row's first `policy_size` columns (see `Game`): what its
-    agent sees alone. The critic reads the rest with --central-value (MAPPO paper, section 4: the
-    global state, and the one-hot of whose value it is), else the policy's columns. Value
-    normalisation (MAPPO, suggestion 1): the critic's output is in units of the running mean and
-    std of the value targets (buffers, kept by the Trainer), so targets far from 0 fit at once."""
+    """The actor-critic all agents share: separate policy and value MLPs, 64-64 tanh (37 details,
+    #13). The policy reads a row's first `policy_size` columns (`Game`), what its agent sees alone;
+    the critic the rest with --central-value (MAPPO paper, section 4: the global state and whose
+    value it is), else the policy's columns. Value normalisation (MAPPO, suggestion 1): V comes in
+    units of the running mean and std of all value targets so far (buffers, updated in `learn`)."""
 
-    def __init__(self, policy_size: int, value_size: int, num_actions: int,
-                 central_value: bool, hidden_size: int = 64):
+    def __init__(self, policy_size, value_size, num_actions, central_value, hidden_size=64):
         super().__init__()
         self.policy_size, self.central_value = policy_size, central_value
         mlp = lambda inputs, outputs, gain: nn.Sequential(  # noqa: E731
@@ -282,31 +243,25 @@ class Model(nn.Module):
         columns = slice(self.policy_size, None) if self.central_value else slice(self.policy_size)
         return self.critic(rows[:, columns]).squeeze(-1) * self.return_std + self.return_mean
 
-    def log_probs(self, rows: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of each action: [batch, actions]."""
+    def log_probs(self, rows: torch.Tensor) -> torch.Tensor:  # of each action: [batch, actions]
         return torch.log_softmax(self.actor(rows[:, :self.policy_size]), dim=-1)
 
-    def act(self, rows: torch.Tensor, greedy: bool = False):
-        """Choose actions for a batch of rows: (actions, their log-probabilities, the values)."""
+    def act(self, rows: torch.Tensor, greedy: bool = False):  # actions, log-probabilities, values
         log_probs = self.log_probs(rows)
         actions = log_probs.argmax(-1) if greedy else torch.multinomial(log_probs.exp(), 1)[:, 0]
-        log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        return actions, log_prob, self.value(rows)
+        return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.value(rows)
 
-    def evaluate_actions(self, rows: torch.Tensor, actions: torch.Tensor):
-        """For the loss: log-probabilities of the taken actions under the current policy, the
-        entropy of the policy, and the values, all [batch]."""
+    def evaluate_actions(self, rows: torch.Tensor, actions: torch.Tensor):  # for the loss
         log_probs = self.log_probs(rows)
-        log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)  # of the taken actions
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         return log_prob, entropy, self.value(rows)
 
 
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
-    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
-
-    rewards, values, dones: [T, N] (time, row: an agent of an env); last_value: [N], the value after
-    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
+    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12): advantages
+    [T, N] from rewards, values, dones [T, N] (time, row: an agent of an env) and last_value [N],
+    the value after the last step. The value targets are advantages + values.
 
     The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
     expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
@@ -321,15 +276,13 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
         $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
                   = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
 
-    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
-    (d_t) when the agent's episode ended at step t, after action t (terminated or truncated), or
-    the agent was absent: it cuts the sum there; for a truncation the trainer has already added
-    gamma * V(final row) to rewards[t]. Readers who know CleanRL: its `dones[t]` means "obs[t]
-    starts a new episode", one step later than here; the advantages are the same.
+    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). d_t = dones[t]
+    = 1 when the agent's episode ended at step t, after action t (terminated or truncated; a
+    truncation's rewards[t] already holds gamma * V(final row)), or the agent was absent: it cuts
+    the sum there. CleanRL's `dones[t]` means "obs[t] starts a new episode", one step later.
     """
-    advantages = torch.zeros_like(rewards)
+    advantages, next_value = torch.zeros_like(rewards), last_value
     next_advantage = torch.zeros_like(last_value)
-    next_value = last_value
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t]
         delta = rewards[t] + gamma * next_value * not_done - values[t]
@@ -358,23 +311,18 @@ class Rollout:
         shape = (config.num_steps, config.num_envs * num_agents)
         self.obs = torch.zeros(shape + (row_size,), device=device)
         self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.rewards = torch.zeros(shape, device=device)
-        self.dones = torch.zeros(shape, device=device)
-        self.mask = torch.zeros(shape, device=device)  # 1 where the agent is present
+        # The actions' log-probabilities and values then; mask: 1 where the agent is present.
+        self.log_probs, self.values, self.rewards, self.dones, self.mask = (
+            torch.zeros(shape, device=device) for _ in range(5))
 
-    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
-        """The rows of flat indices (step * rows + env * num_agents + slot)."""
-        return Minibatch(self.obs.flatten(0, 1)[indices], self.actions.flatten()[indices],
-                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
-                         returns.flatten()[indices], self.values.flatten()[indices],
-                         self.mask.flatten()[indices])
+    def minibatch(self, indices, advantages, returns) -> Minibatch:  # index: step * rows + row
+        rows = lambda tensor: tensor.flatten(0, 1)[indices]  # noqa: E731
+        return Minibatch(rows(self.obs), rows(self.actions), rows(self.log_probs), rows(advantages),
+                         rows(returns), rows(self.values), rows(self.mask))
 
 
 class Trainer:
-    """One PPO step on one minibatch: clipped surrogate, value loss, entropy bonus, a gradient step
-    with the global norm clipped. An absent agent's row (`mask` 0) reaches none of them."""
+    """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, gradient clip."""
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
@@ -382,96 +330,63 @@ class Trainer:
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
-    @torch.no_grad()
-    def track_returns(self, targets: torch.Tensor, over_ranks):
-        """Fold value targets (every rank's, under torchrun) into the critic's running mean and std
-        (Model's buffers), by Chan et al.'s parallel merge of (count, mean, variance)."""
-        targets, model = targets.double(), self.model
-        count, total, squares = over_ranks(
-            [float(targets.numel()), targets.sum().item(), (targets ** 2).sum().item()])
-        mean = total / max(count, 1.0)
-        var = max(squares / max(count, 1.0) - mean ** 2, 0.0)
-        seen, seen_mean = model.return_count.item(), model.return_mean.item()
-        if seen + count > 0:
-            merged, delta = seen + count, mean - seen_mean
-            squares = (model.return_std.item() ** 2 * seen + var * count
-                       + delta ** 2 * seen * count / merged)
-            model.return_mean.fill_(seen_mean + delta * count / merged)
-            model.return_std.fill_(max(math.sqrt(squares / merged), 1e-3))
-            model.return_count.fill_(merged)
-
     @staticmethod
-    def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config,
-                 value_scale: torch.Tensor):
-        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
-        it (all [batch]; value_scale: the standard deviation of the value targets): the negated
-        objective, to be minimised.
+    def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config, value_scale):
+        """The negated PPO objective of a minibatch (to be minimised) and its diagnostics.
 
         Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
         gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
         rho_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. At
         theta = theta_old its gradient is the plain policy gradient; further away it lets one
-        rollout serve several epochs, but the estimate worsens as the policies part (other states
-        would be visited; rho_t's variance grows). Why clip: TRPO bounds the move with a KL
-        constraint; PPO (paper, eq. 7) stops rewarding it beyond [1 - eps, 1 + eps]:
+        rollout serve several epochs, but the estimate worsens as the policies part (rho_t's
+        variance grows). Why clip: TRPO bounds the move with a KL constraint; PPO (paper, eq. 7)
+        stops rewarding it beyond [1 - eps, 1 + eps]:
 
             L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
 
         Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
         rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
-        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
-        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
-        smaller one, and its gradient pulls back.
+        pulling. Why the minimum: a pessimistic bound, so that a move that made things worse
+        (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the smaller
+        one, and its gradient pulls back.
         """
         mask = minibatch.mask
-        mean = lambda values, mask: (values * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+        mean = lambda values: (values * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
         # Every mean is over the present agents' rows; torch.where, not a product, keeps an absent
         # agent's numbers out, even as 0 * inf. Advantage normalisation (37 details, #7):
         advantages = torch.where(mask > 0, minibatch.advantages, 0.0)
-        centred = advantages - mean(advantages, mask)
-        std = (mean(centred ** 2, mask) * mask.sum() / (mask.sum() - 1).clamp(min=1)).sqrt()
+        centred = advantages - mean(advantages)
+        std = (mean(centred ** 2) * mask.sum() / (mask.sum() - 1).clamp(min=1)).sqrt()
         advantages = torch.where(mask > 0, centred / (std + 1e-8), 0.0)
-
         # L_clip, negated: the max of the negated terms is the min above (37 details, #8).
         log_ratio = torch.where(mask > 0, new_log_probs - minibatch.old_log_probs, 0.0)
         ratio = log_ratio.exp()  # rho_t
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
-        policy_loss = mean(torch.max(-advantages * ratio, -advantages * clipped_ratio), mask)
-
-        # Value loss (37 details, #9) in units of the targets' std (Model), optionally clipped.
-        returns = torch.where(mask > 0, minibatch.returns, 0.0) / value_scale
-        old_values = torch.where(mask > 0, minibatch.old_values, 0.0) / value_scale
-        new_values = torch.where(mask > 0, new_values, 0.0) / value_scale
-        if config.clip_value_loss:
-            clip = config.clip_coef
-            clipped = old_values + (new_values - old_values).clamp(-clip, clip)
-            value_loss = 0.5 * mean(torch.max((new_values - returns) ** 2,
-                                              (clipped - returns) ** 2), mask)
-        else:
-            value_loss = 0.5 * mean((new_values - returns) ** 2, mask)
-
+        policy_loss = mean(torch.max(-advantages * ratio, -advantages * clipped_ratio))
+        # Value loss (37 details, #9) in units of the targets' std (value_scale: see Model).
+        scaled = lambda x: torch.where(mask > 0, x, 0.0) / value_scale  # noqa: E731
+        returns, old, new = map(scaled, (minibatch.returns, minibatch.old_values, new_values))
+        value_error = (new - returns) ** 2
+        if config.clip_value_loss:  # the new value moves at most clip_coef from the old one
+            clipped = old + (new - old).clamp(-config.clip_coef, config.clip_coef)
+            value_error = torch.max(value_error, (clipped - returns) ** 2)
+        value_loss = 0.5 * mean(value_error)
         # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
-        entropy_mean = mean(entropy, mask)
+        entropy_mean = mean(entropy)
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-
         # Diagnostics (37 details, #12): approx KL by (rho_t - 1) - log rho_t (Schulman,
         # "Approximating KL divergence", 2020), and the share of samples the clip touched.
         with torch.no_grad():
-            approx_kl = mean((ratio - 1) - log_ratio, mask)
-            clip_fraction = mean(((ratio - 1).abs() > config.clip_coef).float(), mask)
-        stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
-                 "approx_kl": approx_kl, "clip_fraction": clip_fraction}
+            stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
+                     "approx_kl": mean((ratio - 1) - log_ratio),
+                     "clip_fraction": mean(((ratio - 1).abs() > config.clip_coef).float())}
         return loss, stats
 
-    def compute_loss(self, minibatch: Minibatch):
-        """The loss of a minibatch under the current weights (what --compile compiles)."""
-        new_log_probs, entropy, new_values = self.model.evaluate_actions(minibatch.obs,
-                                                                         minibatch.actions)
-        return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config,
-                             self.model.return_std)
+    def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
+        evaluated = self.model.evaluate_actions(minibatch.obs, minibatch.actions)
+        return self.ppo_loss(minibatch, *evaluated, self.config, self.model.return_std)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One gradient step on one minibatch. Returns the diagnostics as tensors (no host sync)."""
+    def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -483,22 +398,11 @@ class Trainer:
         return stats
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 when V predicts the present agents' returns perfectly, 0 when not at all (or constant)."""
-    values, returns = values[mask > 0], returns[mask > 0]
-    if len(returns) < 2 or (returns_variance := returns.var().item()) == 0:
-        return 0.0
-    return 1 - (returns - values).var().item() / returns_variance
-
-
 class Main:
-    """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's episodes) and
-    returns the summary as a dict. The `RunGuard` (below the banner) sets up, logs, saves and
-    stops, so that `train` reads as PPO (37 details, #6)."""
+    """The loop (37 details, #6): `Main(config).run()` trains (or --eval plays); the summary."""
 
     def __init__(self, config: Config):
-        self.config = config
-        self.guard = None
+        self.config, self.guard = config, None
         self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
 
     def run(self) -> dict:
@@ -526,9 +430,7 @@ class Main:
         return guard.summary
 
     def anneal_learning_rate(self):
-        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts. A resumed run with another total anneals
-        from the rate it had to 0 over the steps left (`anneal_from`, set by the guard)."""
+        """Linear learning-rate annealing (37 details, #4), from `anneal_from` to 0 at the end."""
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
@@ -536,25 +438,23 @@ class Main:
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps of every env into the buffer (a row per agent); the rows after."""
-        config, rollout, device = self.config, self.rollout, self.guard.device
-        ended = []  # (global step, statistics) of the episodes that end
+        """Play num_steps steps of every env into the rollout (a row per agent); the next rows."""
+        config, rollout, device, ended = self.config, self.rollout, self.guard.device, []
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
                 break
             rollout.obs[step], rollout.mask[step] = next_obs, self.games.present()
-            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = self.model.act(
-                next_obs)
-            result = self.games.step(rollout.actions[step].cpu().numpy())
+            actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
+            rollout.actions[step] = actions
+            result = self.games.step(actions.cpu().numpy())
             next_obs = self.games.observations()
-            rewards = torch.from_numpy(result.rewards).to(device)
-            # Truncation is not death: an episode cut by a time limit (every simple_spread episode,
-            # after 25 steps) would have gone on, so its last reward gets gamma * V(final row).
+            rollout.rewards[step] = torch.from_numpy(result.rewards)
+            # Truncation is not death: an episode cut by a time limit (as simple_spread's are, after
+            # 25 steps) would have gone on, so its last reward gets gamma * V(final row).
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
                 final_rows = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
-                rewards[cut] += config.gamma * self.model.value(final_rows.to(device))
-            rollout.rewards[step] = rewards
+                rollout.rewards[step, cut] += config.gamma * self.model.value(final_rows.to(device))
             # An absent agent's row is done too, so that GAE never links steps across its absence.
             ends = torch.from_numpy(result.terminated | result.truncated).to(device)
             rollout.dones[step] = torch.maximum(ends.float(), 1 - rollout.mask[step])
@@ -563,47 +463,43 @@ class Main:
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
         return next_obs
 
-    def estimate_advantages(self, next_obs: torch.Tensor):
-        """GAE over the rollout: (advantages, returns), both [num_steps, rows]."""
-        with torch.no_grad():
-            last_value = self.model.value(next_obs)
-        rollout = self.rollout
+    @torch.no_grad()
+    def estimate_advantages(self, next_obs: torch.Tensor):  # GAE: advantages, returns [steps, rows]
+        rollout, last_value = self.rollout, self.model.value(next_obs)
         advantages = compute_gae(rollout.rewards, rollout.values, rollout.dones, last_value,
                                  self.config.gamma, self.config.gae_lambda)
         return advantages, advantages + rollout.values
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-        """update_epochs passes over the rollout in shuffled minibatches, one gradient step each.
-        Returns the mean diagnostics as floats (the only host sync of the update)."""
-        config, rollout = self.config, self.rollout
-        # Value normalisation (Model): the targets of present agents join the statistics.
-        self.trainer.track_returns(returns[rollout.mask > 0], self.guard.mean)
-        batch_size, minibatch_size = returns.numel(), returns.numel() // config.num_minibatches
-        totals, count = {}, 0
+        """update_epochs passes over the rollout in shuffled minibatches; the mean diagnostics."""
+        config, rollout, steps = self.config, self.rollout, []
+        # Value normalisation (Model): the present agents' targets join the running statistics.
+        self.guard.track_returns(returns[rollout.mask > 0])
+        batch_size, size = returns.numel(), returns.numel() // config.num_minibatches
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
-            for start in range(0, batch_size, minibatch_size):
-                indices = order[start:start + minibatch_size]
-                stats = self.trainer.gradient_step(rollout.minibatch(indices, advantages, returns))
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach()
-                count += 1
-            # Early stop (37 details, #12, optional) once the policy has moved too far; by the
-            # ranks' mean under torchrun (guard.mean), so that all stop together.
+            for start in range(0, batch_size, size):  # minibatches of `size` rows
+                minibatch = rollout.minibatch(order[start:start + size], advantages, returns)
+                steps.append(self.trainer.gradient_step(minibatch))  # diagnostics, as tensors
+            # Early stop (37 details, #12, optional): by the ranks' mean, so that all stop together.
             if (config.target_kl is not None
-                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
+                    and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
-        stats = {key: (value / count).item() for key, value in totals.items()}
-        stats["explained_variance"] = explained_variance(rollout.values, returns, rollout.mask)
+        stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
+                 for key in steps[0]}  # the only host sync of the update
+        # Explained variance: 1 when V predicts the present agents' returns, 0 if not (or constant).
+        values, targets = rollout.values[rollout.mask > 0], returns[rollout.mask > 0]
+        variance = targets.var().item() if len(targets) > 1 else 0.0
+        stats["explained_variance"] = variance and 1 - (targets - values).var().item() / variance
         return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# engines the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` (set-up, Ctrl-C,
-# failures, logging, summary); checkpoints; evaluation and video; the checks of the user's input;
-# the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
+# the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up,
+# Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the input checks; the
+# command line.
 
 import ast
 import copy
@@ -616,6 +512,7 @@ import multiprocessing.connection
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -630,10 +527,10 @@ import torch.distributed as dist  # already loaded by `import torch`: costs noth
 
 class GuardedWorker(Worker):
     """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
-    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
-    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
-    reported at once (WorkerError) instead of blocking `recv()` forever."""
+    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
+    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
+    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
+    instead of blocking `recv()` forever."""
 
     def __init__(self, index: int, env_id: str, seeds: list, options: dict,
                  obs_view: np.ndarray, inherited_trainer_ends: list):
@@ -649,22 +546,20 @@ class GuardedWorker(Worker):
         except (EOFError, BrokenPipeError, KeyboardInterrupt):
             pass  # the trainer is gone or stopping: just exit
         except Exception as error:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
     def send_step(self, actions: np.ndarray):
-        try:
+        with contextlib.suppress(OSError):  # a child that is gone: receive() says how
             super().send_step(actions)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         if self.trainer_end in ready:
             try:
                 status, payload = self.trainer_end.recv()
@@ -674,19 +569,15 @@ class GuardedWorker(Worker):
                 return payload
             if status == "error":
                 raise WorkerError(f"{name} failed: {payload}")
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+               else f"exit code {code}")
         raise WorkerError(f"{name} died ({how})")
 
     def close(self):
-        try:
+        with contextlib.suppress(OSError):
             self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
         self.trainer_end.close()
         self.process.join(timeout=2.0)
         if self.process.is_alive():
@@ -716,8 +607,7 @@ class InProcessWorker(Worker):
 
 
 class StepResult(typing.NamedTuple):
-    """What one step of all the envs gives the trainer besides the rows, by row (env * agents +
-    slot)."""
+    """What one step of all the envs gives the trainer besides the rows, by row."""
 
     rewards: np.ndarray  # [rows]
     terminated: np.ndarray  # [rows] bool: the agent's episode ended in the game
@@ -729,14 +619,13 @@ class StepResult(typing.NamedTuple):
 
 class WorkerPool:
     """All the envs of this rank: num_workers Workers of num_envs / num_workers Games each (one in
-    this process with --num-workers 0). Their rows land in one [num_envs * num_agents, row size]
-    array (shared memory with child processes), env-major (row e * num_agents + a holds agent a of
-    env e), read as a tensor without a copy."""
+    this process with --num-workers 0), their rows in one [num_envs * num_agents, row size] array
+    (shared memory with child processes), env-major (row e * num_agents + a holds agent a of env e),
+    read as a tensor without a copy."""
 
     def __init__(self, config: Config, spec: "EnvSpec", row_size: int, first_seed: int,
                  device: torch.device):
-        self.device = device
-        self.workers, self.shared_obs = [], None
+        self.device, self.workers, self.shared_obs = device, [], None
         agents = spec.num_agents
         shape = (config.num_envs * agents, row_size)
         if config.num_workers == 0:
@@ -760,8 +649,7 @@ class WorkerPool:
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:
-            # Mapped by the children now: unlinked at once, no segment outlives the run in /dev/shm.
+        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
             self.shared_obs.unlink()
         self.obs_tensor = torch.from_numpy(self.obs_array)
         self.present_array = np.concatenate([worker.present for worker in self.workers])
@@ -797,22 +685,17 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
-
 # ----- Adam and compilation -----------------------------------------------------------------------
 
 
 class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
-    the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
-    torch.optim.Adam: its first use imports torch._dynamo, which takes over a second, a share of
-    a short run (benchmarks/README.md). tests/ check this class against torch.optim.Adam.
-    """
+    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
+    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
+    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
+    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params = list(params)
-        self.lr, self.eps, self.betas = lr, eps, betas
-        self.steps = 0
+        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
 
@@ -822,20 +705,17 @@ class Adam:
 
     @torch.no_grad()
     def step(self):
-        beta1, beta2 = self.betas
+        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
         self.steps += 1
-        bias_correction1 = 1 - beta1 ** self.steps
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.steps)
-        grads = [p.grad for p in self.params]
         # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
         torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
         torch._foreach_mul_(self.exp_avg_sq, beta2)
         torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
         # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
         denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, bias_correction2_sqrt)
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
         torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / bias_correction1
+        step_size = self.lr / (1 - beta1 ** self.steps)
         torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
 
     def state_dict(self) -> dict:
@@ -844,18 +724,36 @@ class Adam:
 
     def load_state_dict(self, state: dict):
         self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        saved = state["exp_avg"] + state["exp_avg_sq"]
-        for mine, theirs in zip(self.exp_avg + self.exp_avg_sq, saved):
-            mine.copy_(theirs)
+        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
+                               state["exp_avg"] + state["exp_avg_sq"]):
+            mine.copy_(saved)
+
+
+@torch.no_grad()
+def merge_returns(model: Model, targets: torch.Tensor, over_ranks):
+    """Fold value targets (every rank's, under torchrun) into the critic's running mean and std
+    (Model's buffers), by Chan et al.'s parallel merge of (count, mean, variance)."""
+    targets = targets.double()
+    count, total, squares = over_ranks(
+        [float(targets.numel()), targets.sum().item(), (targets ** 2).sum().item()])
+    mean = total / max(count, 1.0)
+    var = max(squares / max(count, 1.0) - mean ** 2, 0.0)
+    seen, seen_mean = model.return_count.item(), model.return_mean.item()
+    if seen + count > 0:
+        merged, delta = seen + count, mean - seen_mean
+        squares = (model.return_std.item() ** 2 * seen + var * count
+                   + delta ** 2 * seen * count / merged)
+        model.return_mean.fill_(seen_mean + delta * count / merged)
+        model.return_std.fill_(max(math.sqrt(squares / merged), 1e-3))
+        model.return_count.fill_(merged)
 
 
 def compile_learner(main: Main):
-    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and for
-    the loss (its backward is compiled with it). It costs seconds to compile, which networks this
-    small never earn back, hence off by default. Compiling the bound methods, not the modules,
-    keeps the checkpoint's parameter names as they are. Both are compiled here, on inputs of the
-    sizes they will see, so that a machine that cannot compile falls back to eager at once, with a
-    warning."""
+    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and the
+    loss (its backward compiled with it): seconds that networks this small never earn back, hence
+    off by default. Compiling the bound methods, not the modules, keeps the checkpoint's parameter
+    names. Both are compiled here, on inputs of the sizes they will see, so that a machine that
+    cannot compile falls back to eager at once, with a warning."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
     networks = (model.actor, model.critic)
@@ -884,11 +782,9 @@ def compile_learner(main: Main):
 
 
 def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
-    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
-    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
-    reads as if something were wrong. A filter on that logger drops this one message."""
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
+    loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
 
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
@@ -901,21 +797,18 @@ class Ranks:
     """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
     torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
-    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
-    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
-    minibatches, but the ranks average their gradients before each step, so all take the same step
-    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
-    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
-    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
-    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
-    world of one, and every method returns at once.
-    """
+    Data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs games (env
+    i of rank r gets seed + r * num_envs + i) and splits its own rollout into minibatches, but the
+    ranks average their gradients before each step, so all hold the same weights.
+    --total-timesteps, the learning-rate schedule and --checkpoint-every count the steps of all
+    ranks (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no
+    rank waits in a collective the others skipped; rank 0 writes the files. Without torchrun: a
+    world of one, and every method returns at once."""
 
     def __init__(self, device: torch.device):
         self.distributed = "WORLD_SIZE" in os.environ  # set by torchrun
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        self.device = device
+        self.rank, self.device = int(os.environ.get("RANK", 0)), device
         if not self.distributed:
             return
         if device.type == "cuda":  # one GPU per rank: the LOCAL_RANK-th of its machine
@@ -973,18 +866,16 @@ class Ranks:
 
     def from_rank_0(self, make):
         """make() run on rank 0 only; its result, or the UsageError it raised, on every rank."""
-        if not self.distributed:
-            return make()
-        result = [None]
+        result = None
         if self.rank == 0:
             try:
-                result[0] = make()
+                result = make()
             except UsageError as error:
-                result[0] = error
-        self.collective(dist.broadcast_object_list, result, 0)
-        if isinstance(result[0], UsageError):
-            raise result[0]
-        return result[0]
+                result = error
+        result = self.gather(result)[0]
+        if isinstance(result, UsageError):
+            raise result
+        return result
 
     def copy_from_rank_0(self, tensors):
         """Overwrite the tensors (the initial weights) with rank 0's."""
@@ -998,17 +889,20 @@ class Ranks:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
         digests = self.gather(digest.hexdigest())
-        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        differ = [str(rank) for rank, other in enumerate(digests) if other != digests[0]]
         if differ:
-            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank "
-                            f"0's at the end of the run")
+            raise RankError(f"the weights of rank {', '.join(differ)} differ from rank 0's at "
+                            f"the end of the run")
 
     def close(self):
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-
 # ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
 
 
 class WorkerError(RuntimeError):
@@ -1038,11 +932,7 @@ class RunGuard:
         self.previous_threads = torch.get_num_threads()
         self.ranks = self.games = self.log = self.summary = None
 
-    @property
-    def config(self) -> Config:
-        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
-        return self.main.config
-
+    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
@@ -1072,14 +962,13 @@ class RunGuard:
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Reproducibility: the trainer draws from torch's seeded generator (actions, minibatches),
-        # each game from its own; under torchrun, rank r seeds with seed + r, its draws its own.
+        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
+        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
-        # One thread is fastest for networks this small: splitting a 64-unit layer over threads
-        # costs more than it saves (benchmarks/README.md). Given back when the run ends.
+        # One thread is fastest for networks this small (benchmarks/README.md); given back after.
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
@@ -1114,11 +1003,13 @@ class RunGuard:
     def mean(self, value):  # over the ranks, of a number or of each of a list (alone: the value)
         return self.ranks.mean(value) if isinstance(value, list) else self.ranks.mean([value])[0]
 
+    def track_returns(self, targets: torch.Tensor):  # value normalisation's statistics (Model)
+        merge_returns(self.main.model, targets, self.mean)
+
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
-        Under torchrun the ranks meet here once per rollout: each learns every rank's episodes, in
-        the same order (by step, then rank), and whether any was asked to stop, so all take the
-        same decisions."""
+        """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
+        torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
+        same order (by step, then rank), and whether any was asked to stop."""
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1193,11 +1084,17 @@ class RunLog:
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
         self.recent_team_returns = deque(saved.get("recent_team_returns", []), maxlen=100)
         self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
-        self.last_print = 0.0
-        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+        self.last_print, self.writer = 0.0, None
+        if guard.ranks.rank == 0:  # rank 0 speaks for all; TensorBoard shows the settings too
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(guard.run_dir))
+            rows = "\n".join(f"|{key}|{value}|" for key, value in
+                             dataclasses.asdict(guard.config).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
 
     def say(self, line: str):
-        if self.writer is not None:  # rank 0 speaks for all
+        if self.writer is not None:
             print(line, flush=True)
 
     def start(self):
@@ -1287,7 +1184,7 @@ class RunLog:
 
     def finish(self, interrupted: bool, failed: bool) -> dict:
         """Write summary.json, print the last progress line (once) and how the run ended."""
-        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
         speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
             "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
@@ -1322,17 +1219,6 @@ class RunLog:
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
 
-
-def make_writer(run_dir: Path, config: Config):
-    """TensorBoard writer, with the hyperparameters as a text table."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir))
-    rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    return writer
-
-
 # ----- Checkpoints --------------------------------------------------------------------------------
 
 
@@ -1364,10 +1250,9 @@ def restore_learner(main: Main, state: dict):
 
 
 def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
-    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
-    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
-    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
-    never jumps; a new --learning-rate starts there."""
+    """Where a resumed run anneals the learning rate from, as (step, rate): as saved with the
+    checkpoint's total and rate; with another --total-timesteps from `rate` (the last update's) to 0
+    over the steps left, so that it never jumps; a new --learning-rate starts there."""
     saved = checkpoint["config"]
     if config.learning_rate != saved["learning_rate"]:
         return step, config.learning_rate
@@ -1378,8 +1263,7 @@ def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float)
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
     """Write to a temporary file, then rename: a crash or a full disk never leaves half a
-    checkpoint, and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold
-    the same learner)."""
+    checkpoint, and a failed write keeps the previous one. Rank 0 writes (all hold the same)."""
     if ranks.rank != 0:
         return
     temporary = path.with_suffix(".tmp")
@@ -1395,13 +1279,11 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
 
 def find_checkpoint(path: str) -> Path:
     """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
-    if Path(path).is_dir():
-        if not (Path(path) / "checkpoint.pt").is_file():
-            raise UsageError(f"run folder {path} holds no checkpoint.pt")
-        return Path(path) / "checkpoint.pt"
-    if not Path(path).is_file():
-        raise UsageError(f"checkpoint {path} not found")
-    return Path(path)
+    found = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
+    if not found.is_file():
+        raise UsageError(f"run folder {path} holds no checkpoint.pt" if Path(path).is_dir()
+                         else f"checkpoint {path} not found")
+    return found
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1417,13 +1299,12 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
-    checkpoint["path"] = str(path)
-    return checkpoint
+    return {**checkpoint, "path": str(path)}
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
+    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
     checkpoint's folder unless given. A different env or network is refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
@@ -1435,7 +1316,6 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
                              f"{saved.get(name)}, not {changed[name]}")
     return Config(**{**saved, **changed})
-
 
 # ----- Evaluation and video -----------------------------------------------------------------------
 
@@ -1454,20 +1334,19 @@ def evaluate_checkpoint(given: Config) -> dict:
                   config.hidden_size)
     model.load_state_dict(checkpoint["model"])
     torch.manual_seed(config.seed)
-    run_dir = Path(config.run_dir)
     try:
-        game = Game(config.env, config.seed, env_kwargs, config.agent_id, config.central_value,
-                    render_mode="rgb_array" if config.video else None)
+        drawn = {"render_mode": "rgb_array"} if config.video else {}  # (only when asked for)
+        game = Game(config.env, config.seed, {**env_kwargs, **drawn}, config.agent_id,
+                    config.central_value)
     except Exception as error:
         raise UsageError(f"cannot make {config.env} for --video: {type(error).__name__}: "
                          f"{error}") from None
-    video = None
-    rows = game.reset()
+    video, path, rows = None, Path(config.run_dir) / "eval.mp4", game.reset()
     returns, team_returns = [], []
     try:
         while len(returns) < config.eval_episodes:
             if config.video:
-                video = write_frame(video, game, run_dir / "eval.mp4")
+                video = write_frame(video, game, path)
             actions, _, _ = model.act(torch.from_numpy(rows), greedy=config.greedy)
             rows, _, _, _, info = game.step(actions.numpy())
             if "episode" in info:
@@ -1484,16 +1363,15 @@ def evaluate_checkpoint(given: Config) -> dict:
     print(f"eval {config.env}: return per agent {mean:.2f} ± {std:.2f}, per team "
           f"{team_mean:.2f} ± {team_std:.2f} over {episodes} ({how} actions)")
     if video is not None:
-        print(f"video: {run_dir / 'eval.mp4'}")
+        print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
             "std_return": std, "mean_team_return": team_mean, "std_team_return": team_std,
             "returns": returns, "team_returns": team_returns, "greedy": config.greedy,
-            "video": str(run_dir / "eval.mp4") if video is not None else None}
+            "video": str(path) if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
-    """Append the env's current picture to the mp4 (OpenCV's VideoWriter, opened at the first
-    frame)."""
+    """Append the env's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
     import cv2  # only --video needs OpenCV
 
     # pygame, which draws MPE2's envs, would open SDL's display and sound drivers and complain, on
@@ -1514,26 +1392,25 @@ def write_frame(video, game: Game, path: Path):
     video.write(cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR))
     return video
 
-
 # ----- Checking the input -------------------------------------------------------------------------
 
 
-RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
-          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
+RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
+          "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
+          "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
 def check_settings(config: Config, num_agents: Optional[int] = None):
-    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together; once the
     number of agents is known, a batch (num_envs x agents x num_steps) that does not split."""
     for f in dataclasses.fields(Config):
-        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
-        flag = flag.replace("_", "-")
+        value, rule = getattr(config, f.name), f.metadata["check"]
+        flag = "--" + f.name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number, not {value}")
-        if rule is not None and value is not None and not RANGES[rule](value):
-            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
-            raise UsageError(f"{flag} must be {wanted}, not {value}")
+        if rule is not None and value is not None and not RANGES[rule][0](value):
+            raise UsageError(f"{flag} must be {RANGES[rule][1]}, not {value}")
     for flag in ("video", "greedy"):
         if getattr(config, flag) and not config.eval:
             raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
@@ -1590,10 +1467,9 @@ def find_env_module(env_id: str):
         missing = error.name or ""
         if missing != env_id and not env_id.startswith(missing + "."):
             raise UsageError(f"{env_id} needs the package {missing}: pip install it") from None
-        try:
+        module = None
+        with contextlib.suppress(ModuleNotFoundError):
             module = getattr(importlib.import_module(parent), name, None)
-        except ModuleNotFoundError:
-            module = None
         if module is None:
             raise UsageError(f"unknown env {env_id!r}: no such module (PettingZoo envs are named "
                              f"like mpe2.simple_spread_v3)") from None
@@ -1655,12 +1531,9 @@ def inspect_env(env_id: str, env_kwargs: dict, central_value: bool) -> EnvSpec:
 
 def row_sizes(spec: EnvSpec, config: Config) -> tuple:
     """(policy columns, value columns, whole row) of a row (see `Game` and `Model`)."""
-    ids = spec.num_agents if config.agent_id else 0
-    policy_size = spec.obs_size + ids
-    if not config.central_value:
-        return policy_size, policy_size, policy_size
-    value_size = spec.state_size + spec.num_agents
-    return policy_size, value_size, policy_size + value_size
+    policy_size = spec.obs_size + (spec.num_agents if config.agent_id else 0)
+    value_size = spec.state_size + spec.num_agents if config.central_value else policy_size
+    return policy_size, value_size, policy_size + (value_size if config.central_value else 0)
 
 
 def pick_device(name: str) -> torch.device:
@@ -1669,8 +1542,8 @@ def pick_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but torch sees no CUDA device here: use --device cpu")
@@ -1696,14 +1569,12 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
             path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        (run_dir / ".write-test").write_text("")
+        (run_dir / ".write-test").unlink()
     except OSError as error:
-        reason = error.strerror or error
-        raise UsageError(f"cannot write to --run-dir {run_dir}: {reason}") from None
+        raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}"
+                         ) from None
     return run_dir
-
 
 # ----- The command line ---------------------------------------------------------------------------
 
