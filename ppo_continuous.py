@@ -1,18 +1,14 @@
 """PPO for games with continuous actions (Pendulum, MuJoCo's robots and friends), in one file.
 
-Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the implementation details
-of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37
-details", "continuous #1-#9" for continuous actions), each named where it is implemented.
+Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the details of CleanRL and
+SB3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details"; "continuous #1-#9").
 
-The idea. Policy gradient improves a policy with games it just played, and can use each batch of
-them only once: afterwards the policy has changed. PPO reuses each batch ("rollout") for several
-epochs of minibatch steps, and keeps the new policy near the one that played by clipping the
-probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t) (`Trainer.ppo_loss` derives it):
-L_clip = mean_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t). The advantage A_t, how much
-better action a_t did than the value V(s_t) expected, comes from the rewards r_t by Generalized
-Advantage Estimation (`compute_gae` derives it). An action here is a vector of real numbers (a
-torque, a robot's joint forces) drawn from a Gaussian policy (`Model`); running statistics
-(`RunningMeanStd`) normalise the observations and scale the rewards.
+The idea. Policy gradient uses each batch of games once: afterwards the policy has changed. PPO
+reuses each batch ("rollout") for several epochs of minibatch steps, keeping the new policy near the
+one that played by clipping the probability ratio rho_t = pi(a_t|s_t) / pi_old(a_t|s_t)
+(`Trainer.ppo_loss`). The advantage A_t, how much better a_t did than the value V(s_t) expected,
+comes from the rewards r_t by GAE (`compute_gae`). Actions are real vectors from a Gaussian policy
+(`Model`); running statistics (`RunningMeanStd`) normalise observations and scale rewards.
 
 Run it:         python ppo_continuous.py   (Pendulum-v1; --env HalfCheetah-v5: pip install mujoco)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_continuous.py  (data parallel)
@@ -20,31 +16,27 @@ In a notebook:  from ppo_continuous import Config, Main; Main(Config()).run()   
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import math
 import multiprocessing
 import sys
 import typing
-from dataclasses import dataclass, field
 from typing import Optional
 
 SCRIPT = "ppo_continuous"
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
-
-
 def option(default, help, check=None):
     """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
-    return field(default=default, metadata={"help": help, "check": check})
+    return dataclasses.field(default=default, metadata={"help": help, "check": check})
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
-    """Every setting of a run. Each field is also a command-line flag (`num_envs` -> `--num-envs`).
-    The defaults learn Pendulum-v1 fast (benchmarks/README.md has the measurements)."""
+    """Every setting of a run, each a flag too (`num_envs`: `--num-envs`); benchmarks/README.md
+    shows that the defaults learn Pendulum-v1 fast."""
 
     # PPO's hyperparameters.
     learning_rate: float = option(1e-3, "Adam's step size, annealed linearly to 0", "> 0")
@@ -98,17 +90,13 @@ def parse_config(argv=None) -> Config:
         typed = [word for word in message.split() if word.startswith("--")]
         close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
         hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
-        print(f"error: {message}{hint}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"error: {message}{hint}\n")
 
     def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
-        try:
-            number = float(text.replace("_", ""))
-        except ValueError:
-            number = math.nan
-        if not number.is_integer():
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
-        return int(number)
+        with contextlib.suppress(ValueError):
+            if (number := float(text.replace("_", ""))).is_integer():
+                return int(number)
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -131,46 +119,37 @@ import torch.nn as nn
 
 
 class Game:
-    """One gymnasium env as PPO sees it (raw flat float32 observations; actions come clipped). An
-    ended episode restarts in the same step: `step` returns the next episode's first observation,
-    the ended one's last in `info["final_obs"]` (to bootstrap from if it was only truncated: cut by
-    a time limit, not ended by the game), its return and length in `info["episode"]`."""
+    """One gymnasium env as PPO sees it (flat float32 observations). An ended episode restarts in
+    the same step: `step` returns the next one's first observation, in `info` the ended one's last
+    ("final_obs": to bootstrap from if a time limit cut it), return and length ("episode")."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        # (render_mode only when asked for: envs without rendering need not accept it)
         self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
         self.seed, self.action_space = seed, self.env.action_space
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the env's own random stream, so each
-        # episode differs and the whole run is still fixed by the seed.
+        # Seed only the first reset: later restarts continue the env's own random stream.
         obs, _ = self.env.reset(seed=self.seed)
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0
         return np.asarray(obs, dtype=np.float32).reshape(-1)
 
     def step(self, action: np.ndarray):
-        space = self.action_space
+        space, info = self.action_space, {}
         obs, reward, terminated, truncated, _ = self.env.step(
             action.reshape(space.shape).astype(space.dtype))
+        obs = np.asarray(obs, dtype=np.float32).reshape(-1)
         self.episode_return += float(reward)
         self.episode_length += 1
-        info = {}
         if terminated or truncated:
-            info["final_obs"] = np.asarray(obs, dtype=np.float32).reshape(-1)
-            info["episode"] = {"return": self.episode_return, "length": self.episode_length}
-            obs = self.reset()
-        return np.asarray(obs, dtype=np.float32).reshape(-1), reward, terminated, truncated, info
-
-    def close(self):
-        self.env.close()
+            episode = {"return": self.episode_return, "length": self.episode_length}
+            obs, info = self.reset(), {"final_obs": obs, "episode": episode}
+        return obs, reward, terminated, truncated, info
 
 
 class Worker:
-    """Runs several Games in a (forked) child process, so that games play on several cores. The
-    trainer sends actions through a pipe; the child answers with rewards, flags and the ended
-    episodes. Observations, the one large array, skip the pipe: the child writes them into shared
-    memory (`obs_view`), which the trainer reads as a tensor without a copy. `GuardedWorker` (below
-    the banner) adds what long runs need: a child that fails is reported, none outlives the run."""
+    """Plays several Games in a (forked) child process, so that they run on several cores: actions
+    go through a pipe, rewards, end flags and infos come back; observations, the one large array,
+    through shared memory (`obs_view`), read as a tensor with no copy. `GuardedWorker` guards it."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -182,52 +161,29 @@ class Worker:
         child_end.close()
         self.receive()  # the child's first answer comes once its Games are reset
 
-    def start_games(self, env_id: str, seed: int, obs_view: np.ndarray) -> list:
-        """Game i of this worker is seeded with seed + i; first observations into `obs_view`."""
-        games = [Game(env_id, seed + i) for i in range(len(obs_view))]
-        obs_view[:] = [game.reset() for game in games]
-        return games
-
-    @staticmethod
-    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game, observations into `obs_out`. Returns rewards and end flags as arrays, and
-        the ended episodes' final observations and statistics by game index."""
-        rewards = np.zeros(len(games), dtype=np.float32)
-        terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
-        final_obs, episodes = {}, {}
-        for i, game in enumerate(games):
-            obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(actions[i])
-            if "episode" in info:
-                final_obs[i], episodes[i] = info["final_obs"], info["episode"]
-        return rewards, terminated, truncated, final_obs, episodes
-
     def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
-        """The child process: start the Games, then step them on each command until told to stop."""
-        games = self.start_games(env_id, seed, obs_view)
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # game i: seed + i
+        obs_view[:] = [game.reset() for game in games]
         conn.send(("ok", None))
         while (command := conn.recv())[0] == "step":
-            conn.send(("ok", self.step_games(games, command[1], obs_view)))
+            steps = [game.step(action) for game, action in zip(games, command[1])]
+            obs_view[:] = [obs for obs, *_ in steps]
+            conn.send(("ok", [rest for _, *rest in steps]))
 
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
 
-    def receive(self) -> tuple:
-        """The result of the last `send_step`; the observations are in `obs_view` by then."""
+    def receive(self) -> list:  # the last send_step's (reward, terminated, truncated, info) by game
         return self.trainer_end.recv()[1]
-
-    def close(self):
-        self.trainer_end.send(("close", None))
-        self.process.join()
 
 
 class RunningMeanStd:
     """The count, mean and variance of all the numbers seen so far, per feature, kept without the
-    numbers (float64), to normalise what PPO sees as CleanRL and SB3 do (37 details, continuous
-    #6-#9): one set for all games, part of the policy (saved, frozen by --eval). A batch merges in
-    by Chan, Golub and LeVeque's parallel formula (1979), exact for any split (n = n_a + n_b):
+    numbers (float64), to normalise what PPO sees as CleanRL and SB3 do (continuous #6-#9): one set
+    for all games, part of the policy (saved, frozen by --eval). A batch merges in by Chan, Golub
+    and LeVeque's formula (1979), exact for any split (n = n_a + n_b, delta = mean_b - mean_a):
         mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
-    with delta = mean_b - mean_a. It starts from count 1e-4, mean 0, variance 1, as theirs do (a
-    safe first division). Off (--no-normalize-observations, --no-scale-rewards): a pass-through."""
+    From count 1e-4, mean 0, variance 1, as theirs (a safe first division). Off: a pass-through."""
 
     def __init__(self, shape: tuple, device, count=1e-4, var=1.0, active: bool = True):
         self.count, self.active = count, active
@@ -252,13 +208,11 @@ class RunningMeanStd:
             return obs
         if update:
             self.update(obs)
-        normalised = (obs - self.mean) / torch.sqrt(self.var + 1e-8)
-        return normalised.clamp(-clip, clip).to(torch.float32)
+        return ((obs - self.mean) / (self.var + 1e-8).sqrt()).clamp(-clip, clip).to(torch.float32)
 
     def scale(self, rewards, returns, ended, gamma: float, clip: float) -> torch.Tensor:
-        """Rewards (continuous #8-#9): each game's discounted return R <- gamma R + r (`returns`,
-        in place) feeds these statistics; the reward, divided by R's std, then clipped, keeps the
-        value targets near unit scale. R restarts at every episode end, truncation included."""
+        """Continuous #8-#9: rewards / std(R), R being each game's discounted return (R <- gamma R
+        + r, in `returns`; 0 after an episode end), clipped: value targets near unit scale."""
         if not self.active:
             return rewards
         returns.mul_(gamma).add_(rewards)
@@ -283,14 +237,10 @@ class Model(nn.Module):
 
     def __init__(self, obs_size: int, action_size: int, hidden_size: int = 64):
         super().__init__()
-        self.critic = nn.Sequential(
-            layer(obs_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, 1, gain=1.0))
-        self.actor = nn.Sequential(
-            layer(obs_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, hidden_size), nn.Tanh(),
-            layer(hidden_size, action_size, gain=0.01))
+        mlp = lambda out_size, gain: nn.Sequential(
+            layer(obs_size, hidden_size), nn.Tanh(), layer(hidden_size, hidden_size), nn.Tanh(),
+            layer(hidden_size, out_size, gain=gain))
+        self.critic, self.actor = mlp(1, 1.0), mlp(action_size, 0.01)
         self.log_std = nn.Parameter(torch.zeros(1, action_size))
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
@@ -320,38 +270,29 @@ class Model(nn.Module):
 
 
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
-    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
-
-    rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
-    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
+    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12). rewards,
+    values, dones: [T, N] (time, env); last_value: [N], the value of the observation after the last
+    step. Returns the advantages [T, N]; the value targets are advantages + values.
 
     The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
     expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
-
         A_t^(k) = sum_(l<k) gamma^l delta_(t+l)
                 = sum_(l<k) gamma^l r_(t+l) + gamma^k V(s_(t+k)) - V(s_t)
-
     trade bias for variance: few steps lean on V (biased wherever V is wrong), many on the sampled
     rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
     (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
-
         $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
                   = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
-
-    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
-    (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
-    the sum there; for a truncation the trainer has already added gamma * V(final observation) to
-    rewards[t] (the episode would have gone on). Readers who know CleanRL: its `dones[t]` means
-    "obs[t] starts a new episode", one step later than here; the advantages are the same.
-    """
+    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). d_t = dones[t]
+    = 1 when the episode ended at step t (after action t), by termination or truncation: it cuts the
+    sum; a truncated step's reward already holds + gamma V(final observation). CleanRL's `dones[t]`
+    ("obs[t] starts a new episode") is one step later than here; the advantages are the same."""
     advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros_like(last_value)
-    next_value = last_value
+    next_advantage, next_value = torch.zeros_like(last_value), last_value
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t]
         delta = rewards[t] + gamma * next_value * not_done - values[t]
-        next_advantage = delta + gamma * gae_lambda * not_done * next_advantage
-        advantages[t] = next_advantage
+        advantages[t] = next_advantage = delta + gamma * gae_lambda * not_done * next_advantage
         next_value = values[t]
     return advantages
 
@@ -372,33 +313,28 @@ class Rollout:
 
     def __init__(self, config: Config, obs_size: int, action_size: int, device: torch.device):
         shape = (config.num_steps, config.num_envs)
-        self.obs = torch.zeros(shape + (obs_size,), device=device)
-        self.actions = torch.zeros(shape + (action_size,), device=device)
-        self.log_probs, self.values, self.rewards, self.dones = (
-            torch.zeros(shape, device=device) for _ in range(4))
+        self.obs, self.actions, self.log_probs, self.values, self.rewards, self.dones = (
+            torch.zeros(shape + size, device=device)
+            for size in [(obs_size,), (action_size,), (), (), (), ()])
 
     def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
-        """The rows of flat indices (step * num_envs + env)."""
-        return Minibatch(self.obs.flatten(0, 1)[indices], self.actions.flatten(0, 1)[indices],
-                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
-                         returns.flatten()[indices], self.values.flatten()[indices])
+        rows = lambda tensor: tensor.flatten(0, 1)[indices]  # flat index: step * num_envs + env
+        return Minibatch(rows(self.obs), rows(self.actions), rows(self.log_probs),
+                         rows(advantages), rows(returns), rows(self.values))
 
 
 class Trainer:
-    """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
-    bonus, and a gradient step with the global gradient norm clipped."""
+    """One PPO step on one minibatch: clipped surrogate, value loss, entropy bonus, clipped norm."""
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3). `Adam` (below the banner) computes
-        # what torch.optim.Adam does, without the second that torch.optim costs at its first use.
+        # Adam, eps 1e-5 not 1e-8 (37 details, #3): `Adam` (below) steps as torch.optim.Adam does.
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
-        it (all [batch]): the negated objective, to be minimised.
+        """The negated PPO objective of a minibatch, and its diagnostics (the inputs: [batch]).
 
         Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
         gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
@@ -407,49 +343,35 @@ class Trainer:
         rollout serve several epochs, but the estimate worsens as the policies part (other states
         would be visited; rho_t's variance grows). Why clip: TRPO bounds the move with a KL
         constraint; PPO (paper, eq. 7) stops rewarding it beyond [1 - eps, 1 + eps]:
-
             L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
-
-        Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
-        rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
-        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
-        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
-        smaller one, and its gradient pulls back.
-        """
+        Out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or rho_t < 1 - eps with
+        A_t < 0), the clipped term is constant: no gradient. Why the minimum: a pessimistic bound,
+        so a move that made things worse (rho_t < 1 - eps with A_t > 0) is never hidden: then the
+        unclipped term is the smaller one, and its gradient pulls back."""
         # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
-        # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
         advantages = minibatch.advantages
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-
-        # The clipped surrogate (37 details, #8), negated to be minimised: the max of the negated
-        # terms is the min of the paper's.
+        # The clipped surrogate (37 details, #8), negated: the max of the negations is the min.
         log_ratio = new_log_probs - minibatch.old_log_probs
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-
         # Value loss (37 details, #9): squared error to the GAE returns, clipped only if asked.
         returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
+        value_loss = (new_values - returns) ** 2
         if config.clip_value_loss:
             clipped = old_values + (new_values - old_values).clamp(-clip, clip)
-            value_loss = 0.5 * torch.max((new_values - returns) ** 2,
-                                         (clipped - returns) ** 2).mean()
-        else:
-            value_loss = 0.5 * ((new_values - returns) ** 2).mean()
-
+            value_loss = torch.max(value_loss, (clipped - returns) ** 2)
+        value_loss = 0.5 * value_loss.mean()
         # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator
-        # (rho - 1) - log rho (Schulman, "Approximating KL divergence", 2020) and the share of
-        # samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL, (rho - 1) - log rho (Schulman, 2020); clipped.
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
             clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
-        stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
-                 "approx_kl": approx_kl, "clip_fraction": clip_fraction}
-        return loss, stats
+        return loss, {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
+                      "approx_kl": approx_kl, "clip_fraction": clip_fraction}
 
     def compute_loss(self, minibatch: Minibatch):
         """The loss of a minibatch under the current weights (what --compile compiles)."""
@@ -463,33 +385,20 @@ class Trainer:
         self.optimizer.zero_grad()
         loss.backward()
         self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
-        # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
-        # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
+        # Global gradient clipping (37 details, #11): a rare huge step cannot undo the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
         self.optimizer.step()
         return stats
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """How much of the returns' variance the value function predicts: 1 perfectly, 0 not at all (a
-    diagnostic, 37 details, #12). A constant return leaves nothing to explain: 0."""
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
-
-
 class Main:
     """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
-    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps in each of
-    num_envs games with the current policy, estimate each step's advantage with GAE, then take
-    update_epochs passes over the rollout in shuffled minibatches, one clipped gradient step each.
-    The `RunGuard` (below the banner) sets up, logs, saves and stops, so `train` reads as PPO."""
+    returns the summary as a dict. One iteration (37 details, #6): play, estimate each step's
+    advantage with GAE, learn for some epochs. `RunGuard` (below) sets up, logs, saves, stops."""
 
     def __init__(self, config: Config):
-        self.config = config
-        self.guard = None
-        self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
+        self.config, self.guard = config, None
 
     def run(self) -> dict:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
@@ -505,8 +414,7 @@ class Main:
             self.return_stats = RunningMeanStd((), guard.device, active=config.scale_rewards)
             self.discounted_returns = self.return_stats.mean.new_zeros(config.num_envs)  # R
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # The games: Workers of Games; --env-backend torch plays the same Pendulum as a few
-            # tensor operations for all games at once (tests/ hold the two equal, step by step).
+            # Workers of Games, or (--env-backend torch) Pendulum in tensors (tests/: the same game)
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, guard.action_size, guard.device)
             next_obs = self.obs_stats.normalize(self.games.observations(), config.obs_clip)
@@ -521,31 +429,25 @@ class Main:
         return guard.summary
 
     def anneal_learning_rate(self):
-        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts. A resumed run with another total anneals
-        from the rate it had to 0 over the steps left (`anneal_from`, set by the guard)."""
+        """Linear learning-rate annealing (37 details, #4): to 0 at the end, set per rollout."""
         if self.config.anneal_lr:
-            start_step, start_rate = self.anneal_from
+            start_step, start_rate = self.anneal_from  # (0, learning_rate), or where a resume was
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
             self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps in every game with the current policy, filling the rollout buffer.
-        `next_obs` and the result, the observation after the last step, are normalised."""
-        config, rollout = self.config, self.rollout
-        low, high = (bound.to(next_obs.device) for bound in self.guard.action_bounds)
-        episodes = []  # per step: which games ended, their raw returns and lengths
+        """Play num_steps steps of every game into the rollout (observations in, out normalised)."""
+        config, rollout, guard = self.config, self.rollout, self.guard
+        episodes = []  # (step, its result): which games ended, their raw returns and lengths
         for step in range(config.num_steps):
-            if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
+            if guard.stop_at_once():  # Ctrl-C (see RunGuard)
                 break
             rollout.obs[step] = next_obs
-            actions, log_probs, values = self.model.act(next_obs)
-            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = (
-                actions, log_probs, values)
-            # Continuous #5: the env gets the action clipped to its bounds, but the rollout keeps
-            # the sampled one: its log-probability is the policy's, which the ratio needs.
-            result = self.games.step(actions.clamp(low, high))
+            actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
+            rollout.actions[step] = actions
+            # Continuous #5: the env gets it clipped, the rollout keeps the sample (the ratio's)
+            result = self.games.step(actions.clamp(*guard.action_bounds))
             # Continuous #6-#9; the episode returns and --target-return stay raw.
             next_obs = self.obs_stats.normalize(self.games.observations(), config.obs_clip)
             ended = result.terminated | result.truncated
@@ -558,53 +460,46 @@ class Main:
                 last = self.obs_stats.normalize(result.final_obs, config.obs_clip, update=False)
                 rewards = rewards + config.gamma * self.model.value(last) * cut
             rollout.rewards[step], rollout.dones[step] = rewards, ended
-            self.global_step += self.guard.steps_per_step  # num_envs of every rank
-            episodes.append((self.global_step, ended, result.episode_returns,
-                             result.episode_lengths))
-        self.guard.after_rollout(episodes)  # record the episodes; stop on Ctrl-C
+            self.global_step += guard.steps_per_step  # num_envs of every rank
+            episodes.append((self.global_step, result))
+        guard.after_rollout(episodes)  # record the episodes; stop on Ctrl-C
         return next_obs
 
+    @torch.no_grad()
     def estimate_advantages(self, next_obs: torch.Tensor):
         """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
-        with torch.no_grad():
-            last_value = self.model.value(next_obs)
-        rollout = self.rollout
+        rollout, config, last_value = self.rollout, self.config, self.model.value(next_obs)
         advantages = compute_gae(rollout.rewards, rollout.values, rollout.dones, last_value,
-                                 self.config.gamma, self.config.gae_lambda)
+                                 config.gamma, config.gae_lambda)
         return advantages, advantages + rollout.values
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-        """update_epochs passes over the rollout in shuffled minibatches, one gradient step each.
-        Returns the mean diagnostics as floats (the only host sync of the update)."""
-        config = self.config
-        batch_size = config.num_envs * config.num_steps
-        minibatch_size = batch_size // config.num_minibatches
-        totals, count = {}, 0
+        """update_epochs passes over the rollout in shuffled minibatches; the mean diagnostics."""
+        config, batch_size = self.config, self.rollout.rewards.numel()
+        steps = []  # the diagnostics of each gradient step
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
-            for start in range(0, batch_size, minibatch_size):
-                indices = order[start:start + minibatch_size]
-                stats = self.trainer.gradient_step(self.rollout.minibatch(indices, advantages,
-                                                                          returns))
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach()
-                count += 1
-            # Early stop (37 details, #12, optional): once the policy has moved too far from the one
-            # that collected the data, further epochs would only push it beyond the trust region.
+            for indices in order.split(batch_size // config.num_minibatches):
+                minibatch = self.rollout.minibatch(indices, advantages, returns)
+                steps.append(self.trainer.gradient_step(minibatch))
+            # Early stop (37 details, #12, optional): the policy has moved too far from the player.
             if (config.target_kl is not None
-                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
+                    and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
-        stats = {key: (value / count).item() for key, value in totals.items()}
-        stats["explained_variance"] = explained_variance(self.rollout.values, returns)
+        stats = {key: (sum(step[key].detach() for step in steps) / len(steps)).item()
+                 for key in steps[0]}
+        variance = returns.var().item()  # explained variance (37 details, #12): 1 if V predicts R
+        stats["explained_variance"] = (0.0 if variance == 0 else
+                                       1 - (returns - self.rollout.values).var().item() / variance)
         return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# engines the games run on (Workers, or a Pendulum written in torch), Adam and compilation;
-# `Ranks` (torchrun); `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints;
-# evaluation and video; the checks of the user's input; the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
+# the games run on (Workers, or a Pendulum written in torch), Adam and compilation; `Ranks`
+# (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary); checkpoints;
+# evaluation and video; the input checks; the command line.
 
 import copy
 import datetime
@@ -628,10 +523,10 @@ import torch.distributed as dist  # already loaded by `import torch`: costs noth
 
 class GuardedWorker(Worker):
     """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
-    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
-    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
-    reported at once (WorkerError) instead of blocking `recv()` forever."""
+    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
+    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
+    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
+    instead of blocking `recv()` forever."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
@@ -647,22 +542,20 @@ class GuardedWorker(Worker):
         except (EOFError, BrokenPipeError, KeyboardInterrupt):
             pass  # the trainer is gone or stopping: just exit
         except Exception as error:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
     def send_step(self, actions: np.ndarray):
-        try:
+        with contextlib.suppress(OSError):  # a child that is gone: receive() says how
             super().send_step(actions)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         if self.trainer_end in ready:
             try:
                 status, payload = self.trainer_end.recv()
@@ -672,19 +565,15 @@ class GuardedWorker(Worker):
                 return payload
             if status == "error":
                 raise WorkerError(f"{name} failed: {payload}")
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+               else f"exit code {code}")
         raise WorkerError(f"{name} died ({how})")
 
     def close(self):
-        try:
+        with contextlib.suppress(OSError):
             self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
         self.trainer_end.close()
         self.process.join(timeout=2.0)
         if self.process.is_alive():
@@ -693,22 +582,25 @@ class GuardedWorker(Worker):
 
 
 class InProcessWorker(Worker):
-    """--num-workers 0: the Games of a Worker, played in this process (no child, no pipe)."""
+    """--num-workers 0: a Worker's Games, played in this process as its child would (no pipe)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
         self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
-        self.games = self.start_games(env_id, seed, obs_view)
+        self.games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+        obs_view[:] = [game.reset() for game in self.games]
 
     def send_step(self, actions: np.ndarray):
         self.actions = actions
 
-    def receive(self) -> tuple:
-        return self.step_games(self.games, self.actions, self.obs_view)
+    def receive(self) -> list:
+        steps = [game.step(action) for game, action in zip(self.games, self.actions)]
+        self.obs_view[:] = [obs for obs, *_ in steps]
+        return [rest for _, *rest in steps]
 
     def close(self):
         for game in self.games:
-            game.close()
+            game.env.close()
 
 
 class StepResult(typing.NamedTuple):
@@ -723,13 +615,12 @@ class StepResult(typing.NamedTuple):
 
 
 class WorkerPool:
-    """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one
-    in this process with --num-workers 0). Their observations land in one [num_envs, obs_size]
-    array (shared memory with child processes), read as a tensor without a copy."""
+    """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
+    this process with --num-workers 0), their observations in one [num_envs, obs_size] array
+    (shared memory with child processes), read as a tensor without a copy."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
-        self.device = device
-        self.workers, self.shared_obs = [], None
+        self.device, self.workers, self.shared_obs = device, [], None
         shape = (config.num_envs, obs_size)
         if config.num_workers == 0:
             self.obs_array = np.zeros(shape, dtype=np.float32)
@@ -749,9 +640,7 @@ class WorkerPool:
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:
-            # The children have the memory mapped now, so its name is no longer needed: unlinking
-            # it at once means no segment is ever left behind in /dev/shm, however this ends.
+        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
             self.shared_obs.unlink()
         self.obs_tensor = torch.from_numpy(self.obs_array)
 
@@ -760,22 +649,21 @@ class WorkerPool:
         return self.obs_tensor.to(self.device)
 
     def step(self, actions: torch.Tensor) -> StepResult:
-        """Step every game: send all workers their actions first, then collect, so that children
-        run in parallel. The final observations and episodes go into rows, as TorchPendulum's."""
+        """Send all workers their actions first, then collect (the children run in parallel)."""
         actions = actions.cpu().numpy()
         for worker in self.workers:
             worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
-        results = [worker.receive() for worker in self.workers]
+        rewards, terminated, truncated, infos = zip(*(
+            game for worker in self.workers for game in worker.receive()))  # one row a game
         final_obs = self.obs_array.copy()
         returns, lengths = np.zeros(len(final_obs)), np.zeros(len(final_obs), dtype=np.int64)
-        for worker, (_, _, _, worker_final_obs, episodes) in zip(self.workers, results):
-            for i, episode in episodes.items():  # (an ended episode has a final observation)
-                row = worker.first + i
-                final_obs[row] = worker_final_obs[i]
-                returns[row], lengths[row] = episode["return"], episode["length"]
-        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[:3])
+        for row, info in enumerate(infos):
+            if "episode" in info:  # (an ended episode has a final observation)
+                final_obs[row] = info["final_obs"]
+                returns[row], lengths[row] = info["episode"]["return"], info["episode"]["length"]
         return StepResult(*(torch.from_numpy(array).to(self.device) for array in (
-            rewards, terminated, truncated, final_obs, returns, lengths)))
+            np.array(rewards, np.float32), np.array(terminated, bool), np.array(truncated, bool),
+            final_obs, returns, lengths)))
 
     def close(self):
         for worker in self.workers:
@@ -788,10 +676,9 @@ class WorkerPool:
 
 
 class TorchPendulum:
-    """gymnasium's Pendulum-v1 in torch (`--env-backend torch`): all games' states in one tensor
-    [num_envs, 2] (angle, speed) on the device, stepped by a few tensor ops, no host round trip.
-    The same game (tests/ step both from the same states), restarted in the same step; its own
-    seeded generator makes it equal to gymnasium's in distribution, not draw for draw."""
+    """gymnasium's Pendulum-v1 in torch (`--env-backend torch`): all games' states (angle, speed)
+    in one tensor on the device, stepped by a few tensor ops. The same game (tests/ step both from
+    the same states), restarted in the same step; equal to gymnasium's in distribution."""
 
     MAX_SPEED, MAX_TORQUE, DT, G, M, L = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
     MAX_EPISODE_STEPS = 200
@@ -885,27 +772,24 @@ def ended_episodes(episodes: list) -> list:
     """(step, statistics) of each episode the rollout ended, read from the device at once."""
     if not episodes:
         return []
-    steps, *parts = zip(*episodes)
-    ended, returns, lengths = (torch.stack(part).cpu() for part in parts)
+    steps, results = zip(*episodes)
+    ended, returns, lengths = (torch.stack(part).cpu() for part in zip(*(
+        (result.terminated | result.truncated, result.episode_returns, result.episode_lengths)
+        for result in results)))
     return [(steps[t], {"return": float(returns[t, i]), "length": int(lengths[t, i])})
             for t, i in ended.nonzero().tolist()]
-
 
 # ----- Adam and compilation -----------------------------------------------------------------------
 
 
 class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
-    the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
-    torch.optim.Adam: its first use imports torch._dynamo, which takes over a second, a share of
-    a short run (benchmarks/README.md). tests/ check this class against torch.optim.Adam.
-    """
+    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
+    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
+    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
+    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params = list(params)
-        self.lr, self.eps, self.betas = lr, eps, betas
-        self.steps = 0
+        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
 
@@ -915,20 +799,17 @@ class Adam:
 
     @torch.no_grad()
     def step(self):
-        beta1, beta2 = self.betas
+        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
         self.steps += 1
-        bias_correction1 = 1 - beta1 ** self.steps
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.steps)
-        grads = [p.grad for p in self.params]
         # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
         torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
         torch._foreach_mul_(self.exp_avg_sq, beta2)
         torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
         # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
         denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, bias_correction2_sqrt)
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
         torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / bias_correction1
+        step_size = self.lr / (1 - beta1 ** self.steps)
         torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
 
     def state_dict(self) -> dict:
@@ -937,17 +818,17 @@ class Adam:
 
     def load_state_dict(self, state: dict):
         self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        saved = state["exp_avg"] + state["exp_avg_sq"]
-        for mine, theirs in zip(self.exp_avg + self.exp_avg_sq, saved):
-            mine.copy_(theirs)
+        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
+                               state["exp_avg"] + state["exp_avg_sq"]):
+            mine.copy_(saved)
 
 
 def compile_learner(main: Main):
-    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and for
-    the loss (its backward is compiled with it). It costs seconds to compile, which Pendulum never
-    earns back, hence off by default. Compiling the bound methods, not the modules, keeps the
-    checkpoint's parameter names as they are. Both are compiled here, on inputs of the sizes they
-    will see, so that a machine that cannot compile falls back to eager at once, with a warning."""
+    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and the
+    loss (its backward compiled with it): seconds that Pendulum never earns back, hence off by
+    default. Compiling the bound methods, not the modules, keeps the checkpoint's parameter names.
+    Both are compiled here, on inputs of the sizes they will see, so that a machine that cannot
+    compile falls back to eager at once, with a warning."""
     model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     networks = (model.actor, model.critic)
@@ -974,11 +855,9 @@ def compile_learner(main: Main):
 
 
 def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
-    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
-    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
-    reads as if something were wrong. A filter on that logger drops this one message."""
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
+    loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
 
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
@@ -991,21 +870,18 @@ class Ranks:
     """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
     torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
-    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
-    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
-    minibatches, but the ranks average their gradients before each step, so all take the same step
-    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
-    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
-    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
-    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
-    world of one, and every method returns at once.
-    """
+    Data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs games (env
+    i of rank r gets seed + r * num_envs + i) and splits its own rollout into minibatches, but the
+    ranks average their gradients before each step, so all hold the same weights.
+    --total-timesteps, the learning-rate schedule and --checkpoint-every count the steps of all
+    ranks (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no
+    rank waits in a collective the others skipped; rank 0 writes the files. Without torchrun: a
+    world of one, and every method returns at once."""
 
     def __init__(self, device: torch.device):
         self.distributed = "WORLD_SIZE" in os.environ  # set by torchrun
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        self.device = device
+        self.rank, self.device = int(os.environ.get("RANK", 0)), device
         if not self.distributed:
             return
         if device.type == "cuda":  # one GPU per rank: the LOCAL_RANK-th of its machine
@@ -1063,18 +939,16 @@ class Ranks:
 
     def from_rank_0(self, make):
         """make() run on rank 0 only; its result, or the UsageError it raised, on every rank."""
-        if not self.distributed:
-            return make()
-        result = [None]
+        result = None
         if self.rank == 0:
             try:
-                result[0] = make()
+                result = make()
             except UsageError as error:
-                result[0] = error
-        self.collective(dist.broadcast_object_list, result, 0)
-        if isinstance(result[0], UsageError):
-            raise result[0]
-        return result[0]
+                result = error
+        result = self.gather(result)[0]
+        if isinstance(result, UsageError):
+            raise result
+        return result
 
     def copy_from_rank_0(self, tensors):
         """Overwrite the tensors (the initial weights) with rank 0's."""
@@ -1088,10 +962,10 @@ class Ranks:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
         digests = self.gather(digest.hexdigest())
-        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        differ = [str(rank) for rank, other in enumerate(digests) if other != digests[0]]
         if differ:
-            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank "
-                            f"0's at the end of the run")
+            raise RankError(f"the weights of rank {', '.join(differ)} differ from rank 0's at "
+                            f"the end of the run")
 
     def close(self):
         if self.distributed and dist.is_initialized():
@@ -1117,7 +991,6 @@ def merge_over_ranks(ranks: Ranks, main: Main, before: dict):
     for rank_shares in ranks.gather(shares):
         for stats, (count, mean, var) in zip(statistics, rank_shares):
             stats.merge(count, mean.to(stats.mean.device), var.to(stats.var.device))
-
 
 # ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
 
@@ -1149,11 +1022,7 @@ class RunGuard:
         self.previous_threads = torch.get_num_threads()
         self.ranks = self.games = self.log = self.summary = None
 
-    @property
-    def config(self) -> Config:
-        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
-        return self.main.config
-
+    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
@@ -1178,19 +1047,18 @@ class RunGuard:
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
         self.device = self.ranks.device
+        self.action_bounds = [bound.to(self.device) for bound in self.action_bounds]
         self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Reproducibility: every random draw of the trainer comes from torch's seeded generator
-        # (action sampling, minibatch shuffling), and each game from its own seeded generator.
-        # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
+        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
+        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
-        # One thread is fastest for networks this small: splitting a 64-unit layer over threads
-        # costs more than it saves (benchmarks/README.md). Given back when the run ends.
+        # One thread is fastest for networks this small (benchmarks/README.md); given back after.
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
@@ -1200,6 +1068,7 @@ class RunGuard:
         and compile (--compile). Returns the global step to start from."""
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
+        main.anneal_from = (0, main.config.learning_rate)  # (step, rate): a resume may move it
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
             main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
@@ -1303,11 +1172,17 @@ class RunLog:
         self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
         self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
-        self.last_print = 0.0
-        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+        self.last_print, self.writer = 0.0, None
+        if guard.ranks.rank == 0:  # rank 0 speaks for all; TensorBoard shows the settings too
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(guard.run_dir))
+            rows = "\n".join(f"|{key}|{value}|" for key, value in
+                             dataclasses.asdict(guard.config).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
 
     def say(self, line: str):
-        if self.writer is not None:  # rank 0 speaks for all
+        if self.writer is not None:
             print(line, flush=True)
 
     def start(self):
@@ -1393,7 +1268,7 @@ class RunLog:
 
     def finish(self, interrupted: bool, failed: bool) -> dict:
         """Write summary.json, print the last progress line (once) and how the run ended."""
-        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
         speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
             "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
@@ -1424,19 +1299,6 @@ class RunLog:
             self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def make_writer(run_dir: Path, config: Config):
-    """TensorBoard writer, with the hyperparameters as a text table."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir))
-    rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    return writer
-
-
-
 
 # ----- Checkpoints --------------------------------------------------------------------------------
 
@@ -1481,10 +1343,9 @@ def restore_learner(main: Main, state: dict):
 
 
 def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
-    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
-    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
-    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
-    never jumps; a new --learning-rate starts there."""
+    """Where a resumed run anneals the learning rate from, as (step, rate): as saved with the
+    checkpoint's total and rate; with another --total-timesteps from `rate` (the last update's) to 0
+    over the steps left, so that it never jumps; a new --learning-rate starts there."""
     saved = checkpoint["config"]
     if config.learning_rate != saved["learning_rate"]:
         return step, config.learning_rate
@@ -1495,8 +1356,7 @@ def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float)
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
     """Write to a temporary file, then rename: a crash or a full disk never leaves half a
-    checkpoint, and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold
-    the same learner)."""
+    checkpoint, and a failed write keeps the previous one. Rank 0 writes (all hold the same)."""
     if ranks.rank != 0:
         return
     temporary = path.with_suffix(".tmp")
@@ -1512,13 +1372,11 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
 
 def find_checkpoint(path: str) -> Path:
     """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
-    if Path(path).is_dir():
-        if not (Path(path) / "checkpoint.pt").is_file():
-            raise UsageError(f"run folder {path} holds no checkpoint.pt")
-        return Path(path) / "checkpoint.pt"
-    if not Path(path).is_file():
-        raise UsageError(f"checkpoint {path} not found")
-    return Path(path)
+    found = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
+    if not found.is_file():
+        raise UsageError(f"run folder {path} holds no checkpoint.pt" if Path(path).is_dir()
+                         else f"checkpoint {path} not found")
+    return found
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1534,13 +1392,12 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
-    checkpoint["path"] = str(path)
-    return checkpoint
+    return {**checkpoint, "path": str(path)}
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
+    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
     checkpoint's folder unless given. A different env or network is refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
@@ -1552,7 +1409,6 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
                              f"{saved.get(name)}, not {changed[name]}")
     return Config(**{**saved, **changed})
-
 
 # ----- Evaluation and video -----------------------------------------------------------------------
 
@@ -1574,22 +1430,19 @@ def evaluate_checkpoint(given: Config) -> dict:
     obs_stats = RunningMeanStd((obs_size,), "cpu", active=config.normalize_observations)
     load_statistics(obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
-    run_dir = Path(config.run_dir)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
-    video = None
-    obs = game.reset()
-    returns = []
+    video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
     try:
         while len(returns) < config.eval_episodes:
             if config.video:
-                video = write_frame(video, game, run_dir / "eval.mp4")
+                video = write_frame(video, game, path)
             obs = obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip, update=False)
             actions, _, _ = model.act(obs, greedy=config.greedy)
             obs, _, _, _, info = game.step(actions[0].clamp(low, high).numpy())
             if "episode" in info:
                 returns.append(float(info["episode"]["return"]))
     finally:
-        game.close()
+        game.env.close()
         if video is not None:
             video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
@@ -1597,15 +1450,14 @@ def evaluate_checkpoint(given: Config) -> dict:
     episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
     print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
     if video is not None:
-        print(f"video: {run_dir / 'eval.mp4'}")
+        print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
             "std_return": std, "returns": returns, "greedy": config.greedy,
-            "video": str(run_dir / "eval.mp4") if video is not None else None}
+            "video": str(path) if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
-    """Append the game's current picture to the mp4 (OpenCV's VideoWriter, opened at the first
-    frame)."""
+    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
     import cv2  # only --video needs OpenCV
 
     # pygame, which draws the classic-control games, would open SDL's display and sound drivers
@@ -1623,8 +1475,11 @@ def write_frame(video, game: Game, path: Path):
     video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
     return video
 
-
 # ----- Checking the input -------------------------------------------------------------------------
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
 
 
 # --num-envs and --num-steps when not given: a step of the torch Pendulum costs about as much for
@@ -1640,22 +1495,22 @@ def with_backend_defaults(config: Config) -> Config:
                                           if getattr(config, name) is None})
 
 
-RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
-          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
+RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
+          "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
+          "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
     config = with_backend_defaults(config)  # (--num-envs and --num-steps, when not given)
     for f in dataclasses.fields(Config):
-        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
-        flag = flag.replace("_", "-")
+        value, rule = getattr(config, f.name), f.metadata["check"]
+        flag = "--" + f.name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number, not {value}")
-        if rule is not None and value is not None and not RANGES[rule](value):
-            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
-            raise UsageError(f"{flag} must be {wanted}, not {value}")
+        if rule is not None and value is not None and not RANGES[rule][0](value):
+            raise UsageError(f"{flag} must be {RANGES[rule][1]}, not {value}")
     for flag in ("video", "greedy"):
         if getattr(config, flag) and not config.eval:
             raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
@@ -1682,12 +1537,10 @@ def check_settings(config: Config):
 def inspect_env(env_id: str):
     """Check that this script can play the env: (obs size, action size, action bounds, tensors)."""
     if env_id not in gym.registry:
-        try:
-            import ale_py  # registers the Atari ids, to tell the user where those belong
+        with contextlib.suppress(ImportError):  # ale-py registers the Atari ids: say where they go
+            import ale_py
 
             gym.register_envs(ale_py)
-        except ImportError:
-            pass
         if env_id in gym.registry:
             raise UsageError(f"{env_id} is an Atari game: use ppo_atari.py")
         close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
@@ -1733,8 +1586,8 @@ def pick_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but torch sees no CUDA device here: use --device cpu")
@@ -1760,14 +1613,12 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
             path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        (run_dir / ".write-test").write_text("")
+        (run_dir / ".write-test").unlink()
     except OSError as error:
-        reason = error.strerror or error
-        raise UsageError(f"cannot write to --run-dir {run_dir}: {reason}") from None
+        raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}"
+                         ) from None
     return run_dir
-
 
 # ----- The command line ---------------------------------------------------------------------------
 
