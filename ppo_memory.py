@@ -1,72 +1,59 @@
 """PPO with memory, for games whose observation hides part of the state, in one file.
 
-Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the implementation details
-of CleanRL and Stable-Baselines3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37
-details", its LSTM details "LSTM details"), each named where it is implemented.
+Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the details of CleanRL and
+SB3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details"; its "LSTM details")
+named where used.
 
-The idea. Policy gradient improves a policy with games it just played, and can use each batch of
-them only once. PPO reuses each batch ("rollout") for several epochs of minibatch steps, and keeps
-the new policy near the one that played by clipping the probability ratio
-rho_t = pi(a_t | h_t) / pi_old(a_t | h_t) (`Trainer.ppo_loss` derives it). The advantage A_t, how
-much better a_t did than the value V(h_t) expected, comes from GAE (`compute_gae` derives it).
-
-Memory. Stateless CartPole (the default) shows the cart's position and the pole's angle, not their
-velocities: the policy must act on the history h_t = (o_1, a_1, r_1, ..., o_t), not on o_t alone.
---memory chooses how: none (o_t alone, the baseline), framestack (the last k steps side by side),
-lstm or gru (a state carried from step to step), attention (a gated Transformer-XL block over the
-last M steps). rho_t is right only if training sees exactly what the rollout saw (`Model`).
-
-Read it top to bottom, `Config` to `Main` (the loop); the banner ends the lesson, and below it the
-machinery (engines, torchrun, bookkeeping, checkpoints, evaluation, checks) may be skipped.
+The idea. PPO plays a batch of games (a "rollout") with the current policy, learns from it for
+several epochs, and keeps the new policy near the one that played by clipping the probability
+ratio rho_t = pi(a_t | h_t) / pi_old(a_t | h_t) (`Trainer.ppo_loss` derives it); the advantage
+A_t, how much better a_t did than the value V(h_t) expected, comes from GAE (`compute_gae` derives
+it). Stateless CartPole (the default) hides the velocities: the policy acts on the history
+h_t = (o_1, a_1, r_1, ..., o_t), which --memory keeps as o_t alone (none), the last k steps side
+by side (framestack), a state carried from step to step (lstm, gru) or a gated Transformer-XL
+block over the last M steps (attention). rho_t is right only if training sees what the rollout saw.
 
 Run it:         python ppo_memory.py --memory lstm   (stateless CartPole; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_memory.py   (data parallel: `Ranks`)
 In a notebook:  from ppo_memory import Config, Main; Main(Config(total_timesteps=50_000)).run()
-                (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import math
 import multiprocessing
 import sys
 import typing
-from dataclasses import dataclass, field
 from typing import Optional
 
 SCRIPT = "ppo_memory"
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+def option(default, help, check=None, choices=None):  # a Config field, its --help, its valid range
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "check": check, "choices": choices})
 
 
-def option(default, help, check=None, choices=None):
-    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
-    return field(default=default, metadata={"help": help, "check": check, "choices": choices})
-
-
-# Each kind of memory's own settings, for the fields Config leaves at None. lstm, gru and attention
-# share their encoder and memory between actor and critic (CleanRL's LSTM PPO), so the value loss
-# (returns up to ~50) pulls on what the policy reads too: weighed 0.03, not 0.5 (benchmarks/README).
+# Each kind's own settings, for the fields Config leaves at None (measured: benchmarks/README.md).
+# lstm, gru and attention share encoder and memory between actor and critic (CleanRL's LSTM PPO),
+# so the value loss (returns up to ~50) pulls on what the policy reads too: it weighs 0.03, not 0.5.
 KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
                "vf_coef")
 KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
-    #            learning rate, steps per rollout, minibatches, epochs, hidden units, value weight
     "none": (8e-3, 32, 2, 8, 64, 0.5),
     "framestack": (8e-3, 32, 2, 8, 64, 0.5),
     "lstm": (3e-3, 32, 4, 8, 128, 0.03),
     "gru": (3e-3, 32, 4, 8, 128, 0.03),
     "attention": (3e-3, 32, 4, 8, 64, 0.03),
 }.items()}
-MEMORY_KINDS = tuple(KIND_DEFAULTS)
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
-    """Every setting of a run; each field is also a command-line flag (`num_envs` -> `--num-envs`).
-    A field left at None takes the value of its --memory kind (KIND_DEFAULTS, just above)."""
+    """Every setting of a run, each a command-line flag (`num_envs` -> `--num-envs`). A field left
+    at None takes its --memory kind's value (KIND_DEFAULTS, just above)."""
 
     # PPO's hyperparameters.
     learning_rate: Optional[float] = option(None, "Adam's step size, annealed linearly to 0", "> 0")
@@ -84,7 +71,7 @@ class Config:
     hidden_size: Optional[int] = option(None, "units of MLP layers and memory", "> 0")
 
     # Memory (the default kind solves stateless CartPole fastest: benchmarks/README.md).
-    memory: str = option("framestack", "what the policy remembers", choices=MEMORY_KINDS)
+    memory: str = option("framestack", "what the policy remembers", choices=tuple(KIND_DEFAULTS))
     frame_stack: int = option(4, "with --memory framestack: steps the policy sees", "> 0")
     attention_span: int = option(16, "with --memory attention: steps each step attends to", "> 0")
     prev_action_reward: bool = option(True, "give the model the previous action and reward too")
@@ -100,8 +87,7 @@ class Config:
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
     total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
-    run_dir: Optional[str] = option(
-        None, "logs, checkpoint, summary (default runs/<env>__<script>__<memory>__<seed>__<time>)")
+    run_dir: Optional[str] = option(None, "logs, checkpoint, summary (None: a new folder in runs/)")
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
     checkpoint_every: int = option(100_000, "save a checkpoint every this many steps", "> 0")
@@ -114,25 +100,20 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
-    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    """A flag per Config field, read before torch is imported (2 s): --help answers at once."""
     flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
     def refuse(message: str):
         typed = [word for word in message.split() if word.startswith("--")]
         close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
         hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
-        print(f"error: {message}{hint}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"error: {message}{hint}\n")
 
     def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
-        try:
-            number = float(text.replace("_", ""))
-        except ValueError:
-            number = math.nan
-        if not number.is_integer():
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
-        return int(number)
+        with contextlib.suppress(ValueError):
+            if (number := float(text.replace("_", ""))).is_integer():
+                return int(number)
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -140,14 +121,10 @@ def parse_config(argv=None) -> Config:
     for flag, f in flags.items():
         kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
         help, default = f.metadata["help"], f.default
-        if f.name in KIND_FIELDS:  # by --memory: "0.008 for none, framestack; 0.003 for lstm, ..."
-            kinds_of = {}
-            for memory, settings in KIND_DEFAULTS.items():
-                kinds_of.setdefault(settings[f.name], []).append(memory)
-            help += (f" (default: {settings[f.name]})" if len(kinds_of) == 1 else " (default: "
-                     + "; ".join(f"{value} for {', '.join(kinds)}"
-                                 for value, kinds in kinds_of.items()) + ")")
-            default = argparse.SUPPRESS  # (Config's None stays, and --help adds no "(default:")
+        if f.name in KIND_FIELDS:  # each kind's value (Config keeps None; --help adds no default)
+            help += " (default: " + ", ".join(
+                f"{memory} {settings[f.name]}" for memory, settings in KIND_DEFAULTS.items()) + ")"
+            default = argparse.SUPPRESS
         parser.add_argument(flag, default=default, help=help,
                             **({"action": argparse.BooleanOptionalAction} if kind is bool else
                                {"type": whole_number if kind is int else kind,
@@ -163,10 +140,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-
-# The partially observed games of this script: classic-control games with their velocities hidden
-# (a velocity is the change between two observations: only a policy that remembers can know it).
-# id -> (the full game, the entries of its observation that stay); the game's time limit stays.
+# The partially observed games: classic-control games with their velocities hidden (a velocity is
+# the change between two observations: only a policy that remembers can know it). id -> (the full
+# game, the entries of its observation that stay); the game's time limit stays.
 STATELESS_ENVS = {
     "StatelessCartPole-v1": ("CartPole-v1", [0, 2]),  # cart position, pole angle
     "StatelessAcrobot-v1": ("Acrobot-v1", [0, 1, 2, 3]),  # cos and sin of both angles
@@ -189,16 +165,16 @@ def register_stateless_envs():
 
 
 class Game:
-    """One gymnasium env, its observations as flat float32 vectors. An ended episode restarts in
-    the same step: `step` returns the next episode's first observation, the ended one's last in
-    `info["final_obs"]` (to bootstrap from if a time limit cut it), its return and length in
-    `info["episode"]`."""
+    """One gymnasium env, observations as flat float32 vectors. An ended episode restarts in the
+    same step: `step` returns the next episode's first observation, the ended one's last in
+    `info["final_obs"]`, its return and length in `info["episode"]`."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
         register_stateless_envs()
-        # (render_mode only when asked for: envs without rendering need not accept it)
+        # (render_mode only when asked for: an env that cannot draw need not accept it)
         self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
         self.seed, self.first_action = seed, self.env.action_space.start
+        self.render, self.close = self.env.render, self.env.close  # (--video draws the env)
 
     def reset(self) -> np.ndarray:
         # Seed only the first reset: later restarts continue the env's own random stream.
@@ -209,26 +185,19 @@ class Game:
     def step(self, action: int):
         # (The model counts choices from 0, the env from its action space's start.)
         obs, reward, terminated, truncated, _ = self.env.step(action + self.first_action)
+        obs, info = np.array(obs, dtype=np.float32).ravel(), {}  # (a copy: the env may reuse it)
         self.episode_return += reward
         self.episode_length += 1
-        obs, info = np.array(obs, dtype=np.float32).ravel(), {}  # (a copy: the env may reuse it)
         if terminated or truncated:
-            info["final_obs"] = obs
-            info["episode"] = {"return": float(self.episode_return),
-                               "length": self.episode_length}
-            obs = self.reset()
+            episode = {"return": float(self.episode_return), "length": self.episode_length}
+            obs, info = self.reset(), {"final_obs": obs, "episode": episode}
         return obs, np.float32(reward), terminated, truncated, info
-
-    def close(self):
-        self.env.close()
 
 
 class Worker:
-    """Runs several Games in a (forked) child process, so that games play on several cores. The
-    trainer sends actions through a pipe; the child answers with rewards, flags and the ended
-    episodes. Observations, the one large array, skip the pipe: the child writes them into shared
-    memory (`obs_view`), which the trainer reads as a tensor without a copy. `GuardedWorker` (below
-    the banner) adds what long runs need: a child that fails is reported, none outlives the run."""
+    """Runs several Games in a child process, so that games play on several cores. The trainer
+    sends actions through a pipe; the child answers with rewards, flags and ended episodes.
+    Observations, the one large array, skip the pipe: they go into shared memory (`obs_view`)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -241,15 +210,13 @@ class Worker:
         self.receive()  # the child's first answer comes once its Games are reset
 
     def start_games(self, env_id: str, seed: int, obs_view: np.ndarray) -> list:
-        """Game i of this worker is seeded with seed + i; first observations into `obs_view`."""
-        games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # game i: seed + i
         obs_view[:] = [game.reset() for game in games]
         return games
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game, observations into `obs_out`. Returns rewards and end flags as arrays, and
-        the ended episodes' final observations and statistics by game index."""
+        """Step each Game (observations into `obs_out`): rewards, end flags, ended episodes."""
         rewards = np.zeros(len(games), dtype=np.float32)
         terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
         final_obs, episodes = {}, {}
@@ -259,8 +226,7 @@ class Worker:
                 final_obs[i], episodes[i] = info["final_obs"], info["episode"]
         return rewards, terminated, truncated, final_obs, episodes
 
-    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
-        """The child process: start the Games, then step them on each command until told to stop."""
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):  # in the child
         games = self.start_games(env_id, seed, obs_view)
         conn.send(("ok", None))
         while (command := conn.recv())[0] == "step":
@@ -269,8 +235,7 @@ class Worker:
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
 
-    def receive(self) -> tuple:
-        """The result of the last `send_step`; the observations are in `obs_view` by then."""
+    def receive(self) -> tuple:  # the last send_step's result; observations are in obs_view
         return self.trainer_end.recv()[1]
 
     def close(self):
@@ -279,9 +244,8 @@ class Worker:
 
 
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
-    """A linear layer with orthogonal weights of the given gain and zero biases (37 details, #2: the
-    hidden layers get sqrt(2), the policy output 0.01 so that all actions start equally likely, the
-    value output 1)."""
+    """Orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2) for hidden layers,
+    0.01 for the policy output so that all actions start equally likely, 1 for the value)."""
     linear = nn.Linear(in_size, out_size)
     nn.init.orthogonal_(linear.weight, gain)
     nn.init.zeros_(linear.bias)
@@ -289,22 +253,18 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 
 
 class RunningMeanStd:
-    """Running mean and variance of the observations, per entry, to normalise them (37 details,
-    continuous-action #6; SB3's VecNormalize): a pole's angle of 0.05 rad beside a one-hot action of
-    1 would barely move a recurrent cell's gates. `mean`, `var`, `count`: the Model's buffers (saved
-    with the weights), updated in place by the parallel formula of Chan et al. (1979), exact for
-    any split of the data: with delta = mean_b - mean_a and n = n_a + n_b,
-
-        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
-    """
+    """Running mean and variance of each observation entry, to normalise them (37 details,
+    continuous-action #6: an angle of 0.05 rad beside a one-hot action of 1 would barely move a
+    cell's gates). A view of the Model's buffers, merged with each rollout's observations by Chan et
+    al.'s (1979) formula, exact for any split: with delta = mean_b - mean_a and n = n_a + n_b,
+        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n"""
 
     def __init__(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
         self.mean, self.var, self.count = mean, var, count
 
     @torch.no_grad()
     def update(self, batch: torch.Tensor, pooled=lambda moments, new: (moments, new)):
-        """Merge a batch [n, size] in: its moments (mean, mean square) and size, which `pooled`
-        makes those of every rank's batch (a hook for torchrun: every rank keeps the same)."""
+        """Merge a batch [n, size] in (`pooled`: torchrun's hook, pooling every rank's batch)."""
         size, count, new = batch.shape[-1], self.count.clone(), len(batch)
         moments, new = pooled(batch.mean(0).tolist() + batch.square().mean(0).tolist(), new)
         batch_mean = torch.tensor(moments[:size], device=batch.device)
@@ -315,16 +275,14 @@ class RunningMeanStd:
                        / total)
         self.count += new
 
-    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
-        """(obs - mean) / std, clipped to [-10, 10] (37 details, continuous-action #7)."""
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:  # clipped (continuous-action #7)
         return ((obs - self.mean) / (self.var + 1e-8).sqrt()).clamp(-10.0, 10.0)
 
 
 def encode_inputs(model: "Model", obs, prev_actions=None, prev_rewards=None, new_episode=None):
     """The model's input rows x_t = [o_t, one-hot(a_(t-1)), r_(t-1)]: what the policy saw, did and
-    got; zeros for both at an episode's first step (`new_episode`; all rows without prev_actions).
-    o_t is normalised when the row is made, and stored so: the rollout and training read the same
-    rows, whatever the statistics do later."""
+    got, zeros for the last two at an episode's first step (`new_episode`; all without
+    prev_actions). o_t is normalised here, once: the rollout and training read the same rows."""
     if model.config.normalize_observations:
         obs = model.obs_stats.normalize(obs)
     if not model.config.prev_action_reward:
@@ -337,14 +295,13 @@ def encode_inputs(model: "Model", obs, prev_actions=None, prev_rewards=None, new
 
 
 def episode_windows(inputs: torch.Tensor, starts: torch.Tensor, k: int) -> tuple:
-    """The window of row t, rows t-k+1..t, gathered by index from rows stored once each, and the
+    """The window of each row t, rows t-k+1..t gathered by index from rows stored once, and the
     window mask: which of them belong to row t's episode (not those before its start).
     [L, B, D] -> (windows [L-k+1, B, k, D] of rows k-1..L-1, oldest first; mask [L-k+1, B, k])."""
     length = inputs.shape[0]
     rows = torch.arange(k - 1, length, device=inputs.device)
     frames = rows[:, None] - (k - 1) + torch.arange(k, device=inputs.device)  # [T, k]
-    # The row where the episode of each row began: the latest start at or before it (0 when
-    # none is in sight: the episode began before these rows, and all of them belong to it).
+    # Where each row's episode began: the latest start at or before it (0 if none: all belong).
     start_rows = torch.arange(length, device=inputs.device)[:, None] * starts.long()
     episode_start = start_rows.cummax(dim=0).values[rows]  # [T, B]
     in_episode = frames[:, None, :] >= episode_start[:, :, None]  # [T, B, k]
@@ -352,17 +309,15 @@ def episode_windows(inputs: torch.Tensor, starts: torch.Tensor, k: int) -> tuple
 
 
 def stack_frames(inputs: torch.Tensor, starts: torch.Tensor, k: int) -> torch.Tensor:
-    """Framestack by index: row t's window side by side, the rows before its episode zeroed.
-    [L, B, D] -> [L-k+1, B, k*D]."""
+    """Framestack: each window's rows side by side, earlier episodes' zeroed: [L-k+1, B, k*D]."""
     windows, in_episode = episode_windows(inputs, starts, k)
     return (windows * in_episode[..., None]).flatten(2)
 
 
 class GRUGate(nn.Module):
-    """GTrXL's gate (Parisotto et al., 2020, eq. 8-11), joining a sublayer's output y to the stream
-    x as a GRU joins its input to its state: r = sigmoid(W_r y + U_r x),
-    z = sigmoid(W_z y + U_z x - b_g), h = tanh(W_g y + U_g (r * x)), out = (1 - z) x + z h.
-    With b_g = 2, z starts near sigmoid(-2) = 0.12: the block starts close to the identity."""
+    """GTrXL's gate (Parisotto et al., 2020, eq. 8-11), a GRU joining a sublayer's output y to the
+    stream x: r = sigmoid(W_r y + U_r x), z = sigmoid(W_z y + U_z x - b_g), out = (1 - z) x + z h
+    with h = tanh(W_g y + U_g (r x)). b_g = 2: z starts near 0.12, the block near the identity."""
 
     def __init__(self, size: int, gate_bias: float = 2.0):
         super().__init__()
@@ -381,13 +336,11 @@ class GRUGate(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """--memory attention: one block of the Gated Transformer-XL (GTrXL: Parisotto et al., 2020)
-    for each step over its window of the last M steps (`episode_windows`), the step the query.
-    Causal; never across an episode start (the window mask); positions relative to the step (a
-    sinusoid of each key's distance back); pre-LayerNorm, and a `GRUGate` where a Transformer adds
-    the residual, so the block starts near the identity. Training re-encodes the stored raw rows
-    with the current weights, so the ratio before the first gradient step is exactly 1 (CleanRL's
-    ppo_trxl caches each layer's states instead: stale after the first epoch)."""
+    """--memory attention: one block of the Gated Transformer-XL (GTrXL, Parisotto et al., 2020),
+    each step the query over its window of the last M steps, never across an episode start (the
+    window mask); positions relative to the step; pre-LayerNorm; a `GRUGate` where a Transformer
+    adds the residual. Training re-encodes the raw rows with the current weights: the ratio starts
+    at exactly 1 (CleanRL's ppo_trxl caches each layer's states, stale after the first epoch)."""
 
     def __init__(self, size: int, span: int, heads: int = 4):
         super().__init__()
@@ -398,15 +351,13 @@ class GatedAttention(nn.Module):
         self.mlp = nn.Sequential(layer(size, size), nn.ReLU(), layer(size, size, 1.0))
         self.attention_gate, self.mlp_gate = GRUGate(size), GRUGate(size)
         # Slot j lies span - 1 - j steps back: fixed sinusoids of that distance (Vaswani et al.).
-        distance = torch.arange(span - 1, -1, -1.0)[:, None]
-        frequency = torch.exp(torch.arange(0, size, 2) * (-math.log(10_000.0) / size))
-        codes = torch.zeros(span, size)
-        codes[:, 0::2], codes[:, 1::2] = (distance * frequency).sin(), (distance * frequency).cos()
+        angles = torch.arange(span - 1, -1, -1.0)[:, None] * torch.exp(
+            torch.arange(0, size, 2) * (-math.log(10_000.0) / size))  # distance * frequency
+        codes = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin, cos, sin, ...
         self.register_buffer("distance_codes", codes, persistent=False)
 
     def forward(self, windows: torch.Tensor, in_episode: torch.Tensor) -> torch.Tensor:
-        """windows [T, B, M, F] (oldest first), in_episode [T, B, M] -> features [T, B, F] of the
-        newest step of each window."""
+        """windows [T, B, M, F] (oldest first), mask [T, B, M] -> the newest steps' [T, B, F]."""
         *batch, span, size = windows.shape
         heads, head_size = self.heads, size // self.heads
         stream = windows[..., -1, :]  # the newest step: the query, and the residual stream
@@ -422,19 +373,16 @@ class GatedAttention(nn.Module):
 
 
 class Model(nn.Module):
-    """The actor-critic with memory. Its methods take steps of a batch of envs: `inputs` [L, B, D]
-    (rows of `encode_inputs`), `starts` [L, B] (1 where an episode starts) and `memory`, the
-    recurrent state before the first row ((h, c) for lstm, (h,) for gru, () otherwise).
-    - none: x_t into separate 64-64 tanh MLPs for actor and critic (37 details, #13);
-    - framestack: the last k rows side by side (`stack_frames`, by index) into the same MLPs;
-    - lstm, gru: linear+tanh encoder, one recurrent cell, linear heads (CleanRL's LSTM PPO);
-    - attention: the same encoder, then a gated Transformer-XL block over the last M rows."""
+    """The actor-critic with memory, over steps of a batch of envs: `inputs` [L, B, D] (rows of
+    `encode_inputs`), `starts` [L, B] (1 where an episode starts), `memory` (the recurrent state
+    before the first row: (h, c) for lstm, (h,) for gru, () otherwise). none, framestack: the last 1
+    or k rows side by side into separate 64-64 tanh MLPs (37 details, #13); lstm, gru: linear+tanh
+    encoder, one cell, linear heads (CleanRL's LSTM PPO); attention: encoder and GatedAttention."""
 
     def __init__(self, obs_size: int, num_actions: int, config: Config):
         super().__init__()
         self.kind, self.num_actions, self.config = config.memory, num_actions, config
-        # The observations' running statistics (`obs_stats`), saved with the weights.
-        self.register_buffer("obs_mean", torch.zeros(obs_size))
+        self.register_buffer("obs_mean", torch.zeros(obs_size))  # the statistics, `obs_stats`
         self.register_buffer("obs_var", torch.ones(obs_size))
         self.register_buffer("obs_count", torch.tensor(1e-4))
         self.input_size = obs_size + (num_actions + 1 if config.prev_action_reward else 0)
@@ -443,11 +391,10 @@ class Model(nn.Module):
             self.kind, 1)
         hidden = config.hidden_size
         if self.kind in ("none", "framestack"):
-            size = self.input_size * self.window
-            self.critic = nn.Sequential(layer(size, hidden), nn.Tanh(), layer(hidden, hidden),
-                                        nn.Tanh(), layer(hidden, 1, gain=1.0))
-            self.actor = nn.Sequential(layer(size, hidden), nn.Tanh(), layer(hidden, hidden),
-                                       nn.Tanh(), layer(hidden, num_actions, gain=0.01))
+            mlp = lambda out_size, gain: nn.Sequential(
+                layer(self.input_size * self.window, hidden), nn.Tanh(), layer(hidden, hidden),
+                nn.Tanh(), layer(hidden, out_size, gain))
+            self.critic, self.actor = mlp(1, 1.0), mlp(num_actions, 0.01)
             return
         self.encoder = nn.Sequential(layer(self.input_size, hidden), nn.Tanh())
         if self.kind == "attention":
@@ -460,16 +407,15 @@ class Model(nn.Module):
         self.actor = layer(hidden, num_actions, gain=0.01)
 
     @property
-    def obs_stats(self) -> RunningMeanStd:  # (a view of the three buffers)
+    def obs_stats(self) -> RunningMeanStd:
         return RunningMeanStd(self.obs_mean, self.obs_var, self.obs_count)
 
-    def initial_memory(self, batch: int, device=None) -> tuple:
-        """LSTM details, #2: the recurrent state starts at zero."""
+    def initial_memory(self, batch: int, device=None) -> tuple:  # zeros (LSTM details, #2)
         count = {"lstm": 2, "gru": 1}.get(self.kind, 0)
         return tuple(torch.zeros(batch, self.cell.hidden_size, device=device) for _ in range(count))
 
     def remember(self, inputs: torch.Tensor, starts: torch.Tensor, memory: tuple):
-        """The features of each step, [L, B, D] rows -> ([L', B, F], the memory after the last row).
+        """The features of each step: [L, B, D] rows -> ([L', B, F], the memory after the last row).
         The rollout passes one step (and its window) and the state the games carry; training passes
         a whole rollout and the state at its start (`Rollout.first_memory`): the cell, stepped along
         the same rows from the same state, rebuilds the same states, now with a gradient."""
@@ -487,7 +433,7 @@ class Model(nn.Module):
             features.append(memory[0])
         return torch.stack(features), memory
 
-    def value(self, features: torch.Tensor) -> torch.Tensor:
+    def value(self, features: torch.Tensor) -> torch.Tensor:  # V(h), [...]
         return self.critic(features).squeeze(-1)
 
     def act(self, inputs, starts, memory, greedy: bool = False):
@@ -499,8 +445,8 @@ class Model(nn.Module):
         return actions, log_prob, self.value(features[-1]), memory
 
     def evaluate_actions(self, inputs, starts, memory, actions):
-        """For the loss, over sequences: the log-probabilities of the taken actions [T, B] under the
-        current policy, its entropy and the values, flattened time-major."""
+        """For the loss: the taken actions' [T, B] log-probabilities under the current policy, its
+        entropy and the values, flattened time-major."""
         features, _ = self.remember(inputs, starts, memory)
         log_probs = torch.log_softmax(self.actor(features), dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
@@ -512,44 +458,34 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
 
     rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
-    the last step. Returns the advantages [T, N]; the value targets are advantages + values. (With
-    memory, the state s_t is what the model knows at step t: the history h_t.)
+    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
 
-    The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
-    expected. With the TD error delta_t = r_t + gamma V(s_{t+1}) - V(s_t), the k-step estimators
-
-        A_t^(k) = sum_{l<k} gamma^l delta_{t+l} = sum_{l<k} gamma^l r_{t+l} + gamma^k V(s_{t+k})
-                                                   - V(s_t)
-
-    trade bias for variance: few steps lean on V (biased wherever V is wrong), many on the sampled
-    rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
-    (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
-
-        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}$
-        $\\hat{A}_t = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
-
-    lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
-    (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
-    the sum there; for a truncation the trainer has already added gamma * V(final observation) to
-    rewards[t] (the episode would have gone on). Readers who know CleanRL: its `dones[t]` means
-    "obs[t] starts a new episode", one step later than here; the advantages are the same.
+    A_t = Q(s_t, a_t) - V(s_t) (s_t: here the history h_t): how much better a_t did than the critic
+    expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
+    A_t^(k) = sum_(l<k) gamma^l delta_(t+l) = sum_(l<k) gamma^l r_(t+l) + gamma^k V(s_(t+k)) -
+    V(s_t) trade bias for variance: few steps lean on V (biased where V is wrong), many on the
+    sampled rewards (unbiased, but each adds its noise). GAE averages them, weighted (1 - lambda)
+    lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
+    $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
+                = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
+    (lambda = 0: the one-step estimate; 1: the sampled return minus V). `dones[t] = 1` (d_t) when
+    the episode ended at step t, by termination or truncation: the sum stops there (a truncation's
+    gamma * V(final observation) is already in rewards[t]). (CleanRL's `dones[t]` means "obs[t]
+    starts a new episode", one step later; the advantages are the same.)
     """
     advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros_like(last_value)
-    next_value = last_value
+    next_advantage, next_value = torch.zeros_like(last_value), last_value
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t]
         delta = rewards[t] + gamma * next_value * not_done - values[t]
-        next_advantage = delta + gamma * gae_lambda * not_done * next_advantage
-        advantages[t] = next_advantage
+        advantages[t] = next_advantage = delta + gamma * gae_lambda * not_done * next_advantage
         next_value = values[t]
     return advantages
 
 
 class Minibatch(typing.NamedTuple):
-    """Whole env sequences of the rollout (LSTM details, #4: minibatches split the envs, not the
-    steps, so that the memory can be rebuilt); the other per-step fields flattened to [T * B],
-    time-major."""
+    """Whole env sequences (LSTM details, #4: minibatches split the envs, not the steps, so that the
+    memory can be rebuilt); the per-step fields flattened to [T * B], time-major."""
 
     inputs: torch.Tensor  # [window - 1 + T, B, input_size]: the model's input rows
     starts: torch.Tensor  # [window - 1 + T, B]: 1 where a step starts an episode
@@ -562,12 +498,11 @@ class Minibatch(typing.NamedTuple):
 
 
 class Rollout:
-    """The rollout buffer, on the training device: what training needs to see each step as the
-    rollout saw it. The input rows, stored once per step (row `history` + step) with their start
-    flags, and `first_memory`, the recurrent state the games carried into the rollout (LSTM details,
-    #5), from which `Model.remember` rebuilds every later one. For framestack and attention, the
-    first `history` = window - 1 rows are the previous rollout's last ones. A sequence is one env's
-    whole rollout, never padded: no step is masked out of the losses."""
+    """The rollout buffer: each step as the rollout saw it. The input rows, stored once per step
+    (row `history` + step), their start flags, and `first_memory`, the recurrent state the games
+    carried into the rollout (LSTM details, #5), from which `Model.remember` rebuilds every later
+    one. For framestack and attention, the first `history` = window - 1 rows are the previous
+    rollout's last ones. A sequence is one env's whole rollout: no padding, no step masked out."""
 
     def __init__(self, config: Config, model: Model, device: torch.device):
         self.history = model.window - 1
@@ -576,15 +511,12 @@ class Rollout:
         self.starts = torch.zeros(rows, device=device)
         shape = (config.num_steps, config.num_envs)
         self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(shape, device=device)
-        self.values = torch.zeros(shape, device=device)
-        self.rewards = torch.zeros(shape, device=device)
-        self.dones = torch.zeros(shape, device=device)
-        self.observations = torch.zeros(shape + model.obs_mean.shape, device=device)
+        self.log_probs, self.values, self.rewards, self.dones = (
+            torch.zeros(shape, device=device) for _ in range(4))
+        self.observations = torch.zeros(shape + model.obs_mean.shape, device=device)  # for stats
         self.first_memory = ()
 
-    def keep_history(self):
-        """Move the last `history` rows to the front, before a new rollout overwrites the rest."""
+    def keep_history(self):  # the last `history` rows to the front, before new ones overwrite them
         if self.history:
             self.inputs[:self.history] = self.inputs[-self.history:].clone()
             self.starts[:self.history] = self.starts[-self.history:].clone()
@@ -601,8 +533,8 @@ class Rollout:
 def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tensor,
                 new_start: torch.Tensor, memory: tuple) -> torch.Tensor:
     """V of the step after rollout row `row` (input `new_input`, start flags `new_start`), seen by
-    `memory`, the state after that row, and for framestack and attention by the window up to it:
-    the value to bootstrap from, after a rollout or a time-limit cut."""
+    `memory`, the state after that row, and by the window up to it: the value to bootstrap from,
+    after a rollout or a time-limit cut."""
     earlier = slice(row + 2 - model.window, row + 1)
     features, _ = model.remember(torch.cat([rollout.inputs[earlier], new_input[None]]),
                                  torch.cat([rollout.starts[earlier], new_start[None]]), memory)
@@ -610,78 +542,59 @@ def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tenso
 
 
 class Trainer:
-    """One PPO step on one minibatch: the clipped surrogate objective, the value loss, the entropy
-    bonus, and a gradient step with the global gradient norm clipped."""
+    """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, gradient clip."""
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3). `Adam` (below the banner) computes
-        # what torch.optim.Adam does, without the second that torch.optim costs at its first use.
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3); `Adam` is torch.optim.Adam's arithmetic.
         self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
-        it (all [batch]): the negated objective, to be minimised.
+        """The PPO loss of a minibatch (negated, to be minimised) and its diagnostics, from what
+        the current weights make of it (all [batch]).
 
-        Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
+        Why a ratio: the actions were drawn by pi_old, the policy that played the rollout, but the
         gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
-        rho_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. At
-        theta = theta_old its gradient is the plain policy gradient; further away it lets one
-        rollout serve several epochs, but the estimate worsens as the policies part (other states
-        would be visited; rho_t's variance grows). With memory, s_t is the history h_t: pi_theta
-        must see the one pi_old saw, so training rebuilds the rollout's memory exactly.
+        rho_t = pi_theta(a_t|h_t) / pi_old(a_t|h_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. So
+        one rollout serves several epochs, but the estimate worsens as the policies part (rho_t's
+        variance grows); and pi_theta must see the history h_t that pi_old saw (`Rollout`).
         Why clip: TRPO bounds the move with a KL constraint; PPO (paper, eq. 7) stops rewarding it
-        beyond [1 - eps, 1 + eps]:
-
-            L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
-
-        Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
-        rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
-        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
-        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
-        smaller one, and its gradient pulls back.
+        beyond [1 - eps, 1 + eps]: L_clip = E_t[min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)].
+        Once rho_t is out of range in the helpful direction, the clipped term is constant: no
+        gradient, the sample stops pulling. Why the minimum: it makes L_clip a pessimistic bound,
+        so that a move that made things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the
+        unclipped term is then the smaller one, and its gradient pulls back.
         """
-        # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
-        # Under torchrun, each rank normalises its own minibatch, as CleanRL's multi-GPU PPO does.
+        # Advantages normalised per minibatch (37 details, #7; each rank its own under torchrun).
         advantages = minibatch.advantages
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-
-        # The clipped surrogate (37 details, #8), negated to be minimised: the max of the negated
-        # terms is the min of the paper's.
+        # The clipped surrogate (37 details, #8), negated: the max of the negations is the min.
         log_ratio = new_log_probs - minibatch.old_log_probs
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-
-        # Value loss (37 details, #9): squared error to the GAE returns; optionally clipped like the
-        # policy, around the values of the rollout.
+        # Value loss (37 details, #9): squared error to the GAE returns, clipped only if asked.
         returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
+        value_loss = (new_values - returns) ** 2
         if config.clip_value_loss:
             clipped = old_values + (new_values - old_values).clamp(-clip, clip)
-            value_loss = 0.5 * torch.max((new_values - returns) ** 2,
-                                         (clipped - returns) ** 2).mean()
-        else:
-            value_loss = 0.5 * ((new_values - returns) ** 2).mean()
-
+            value_loss = torch.max(value_loss, (clipped - returns) ** 2)
+        value_loss = 0.5 * value_loss.mean()
         # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-
-        # Diagnostics (37 details, #12): approx KL with the low-variance estimator
-        # (rho - 1) - log rho (Schulman, "Approximating KL divergence", 2020) and the share of
-        # samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL by the low-variance (rho - 1) - log rho
+        # (Schulman, "Approximating KL divergence", 2020), and the share the clip touched.
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
             clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
-        stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
-                 "approx_kl": approx_kl, "clip_fraction": clip_fraction}
-        return loss, stats
+        return loss, {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
+                      "approx_kl": approx_kl, "clip_fraction": clip_fraction}
 
     def compute_loss(self, minibatch: Minibatch):
-        """The loss of a minibatch under the current weights (what --compile compiles): the
-        memory rebuilt from the rollout's start state, over each env's whole sequence."""
+        """The loss under the current weights (what --compile compiles), memory rebuilt and all."""
         new_log_probs, entropy, new_values = self.model.evaluate_actions(
             minibatch.inputs, minibatch.starts, minibatch.memory, minibatch.actions)
         return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
@@ -692,27 +605,17 @@ class Trainer:
         self.optimizer.zero_grad()
         loss.backward()
         self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
-        # Global gradient clipping (37 details, #11): all gradients together are scaled down to a
-        # norm of at most max_grad_norm, which keeps a rare huge step from undoing the policy.
+        # Global gradient clipping (37 details, #11): a rare huge step cannot undo the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
         self.optimizer.step()
         return stats
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """How much of the returns' variance the value function predicts: 1 perfectly, 0 not at all (a
-    diagnostic, 37 details, #12). A constant return leaves nothing to explain: 0."""
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
-
-
 class Main:
     """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
-    returns the summary as a dict. One iteration (37 details, #6): play num_steps steps in each
-    game, carrying its memory; GAE; update_epochs passes over whole env sequences in minibatches.
-    The `RunGuard` (below the banner) sets up, logs, saves and stops, so `train` reads as PPO."""
+    returns the summary as a dict. The `RunGuard` (below the banner) sets up, logs, saves and
+    stops, so that `train` reads as PPO (37 details, #6)."""
 
     def __init__(self, config: Config):
         self.config, self.guard = config, None
@@ -736,7 +639,7 @@ class Main:
             self.next_start = torch.ones(config.num_envs, device=guard.device)
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
-                self.collect_rollout()  # 1. play with the current policy
+                self.collect_rollout()  # 1. play with the current policy, carrying the memory
                 if guard.solved_step is not None:
                     break  # the target was reached in this rollout: the policy is good enough
                 advantages, returns = self.estimate_advantages()  # 2. GAE
@@ -745,9 +648,8 @@ class Main:
         return guard.summary
 
     def anneal_learning_rate(self):
-        """Linear learning-rate annealing (37 details, #4): from learning_rate at step 0 to 0 at the
-        end, set by the step at which each rollout starts. A resumed run with another total anneals
-        from the rate it had to 0 over the steps left (`anneal_from`, set by the guard)."""
+        """Linear learning-rate annealing (37 details, #4), from learning_rate at step 0 to 0 at
+        the end, by the step each rollout starts at (a resume may start it from another point)."""
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
@@ -755,7 +657,7 @@ class Main:
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self):
-        """Play num_steps steps in every game with the current policy, filling the rollout buffer.
+        """Play num_steps steps in every game with the current policy, into the rollout buffer;
         `self.memory` carries the games' recurrent states from step to step, rollout to rollout."""
         config, rollout, model, device = self.config, self.rollout, self.model, self.guard.device
         rollout.keep_history()
@@ -767,10 +669,9 @@ class Main:
             row = rollout.history + step
             rollout.inputs[row], rollout.starts[row] = self.next_input, self.next_start
             window = slice(row + 1 - model.window, row + 1)  # this row and the window - 1 before
-            actions, log_probs, values, memory = model.act(rollout.inputs[window],
-                                                           rollout.starts[window], self.memory)
-            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = (
-                actions, log_probs, values)
+            actions, rollout.log_probs[step], rollout.values[step], memory = model.act(
+                rollout.inputs[window], rollout.starts[window], self.memory)
+            rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
             raw_rewards = torch.from_numpy(result.rewards).to(device)
             rewards = raw_rewards.clone()
@@ -780,8 +681,8 @@ class Main:
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
                 final_obs = self.games.observations().clone()
-                final_obs[cut] = torch.from_numpy(np.stack([result.final_obs[i] for i in cut])
-                                                  ).to(device)
+                final_obs[cut] = torch.tensor(np.stack([result.final_obs[i] for i in cut]),
+                                              device=device)
                 final = encode_inputs(model, final_obs, actions, raw_rewards, done * 0)
                 rewards[cut] += config.gamma * value_after(model, rollout, row, final, done * 0,
                                                            memory)[cut]
@@ -808,16 +709,15 @@ class Main:
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
         """update_epochs passes over the rollout in minibatches of whole env sequences (shuffled
-        envs), one gradient step each. Returns the mean diagnostics as floats."""
-        config = self.config
+        envs), one gradient step each. Returns the mean diagnostics as floats (one host sync)."""
+        config, totals, count = self.config, {}, 0
         envs_per_minibatch = config.num_envs // config.num_minibatches
-        totals, count = {}, 0
         for epoch in range(config.update_epochs):
             order = torch.randperm(config.num_envs, device=self.guard.device)
             for start in range(0, config.num_envs, envs_per_minibatch):
                 envs = order[start:start + envs_per_minibatch]
-                stats = self.trainer.gradient_step(self.rollout.minibatch(envs, advantages,
-                                                                          returns))
+                minibatch = self.rollout.minibatch(envs, advantages, returns)
+                stats = self.trainer.gradient_step(minibatch)
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach()
                 count += 1
@@ -827,16 +727,19 @@ class Main:
                     and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
                 break
         stats = {key: (value / count).item() for key, value in totals.items()}
-        stats["explained_variance"] = explained_variance(self.rollout.values, returns)
+        # Explained variance (37 details, #12): 1 - Var[R - V] / Var[R]; 0 for constant returns.
+        variance = returns.var().item()
+        unexplained = (returns - self.rollout.values).var().item()
+        stats["explained_variance"] = 0.0 if variance == 0 else 1 - unexplained / variance
         return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# engines the games run on (guarded child processes), a faster Adam and compilation; `Ranks`
-# (torchrun); `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and
-# video; the checks of the user's input; the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
+# the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up,
+# Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the input checks; the
+# command line.
 
 import copy
 import datetime
@@ -855,16 +758,15 @@ from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-
 # ----- Engines: the games, fast and guarded -------------------------------------------------------
 
 
 class GuardedWorker(Worker):
     """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
-    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
-    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
-    reported at once (WorkerError) instead of blocking `recv()` forever."""
+    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
+    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
+    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
+    instead of blocking `recv()` forever."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
@@ -880,22 +782,20 @@ class GuardedWorker(Worker):
         except (EOFError, BrokenPipeError, KeyboardInterrupt):
             pass  # the trainer is gone or stopping: just exit
         except Exception as error:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
     def send_step(self, actions: np.ndarray):
-        try:
+        with contextlib.suppress(OSError):  # a child that is gone: receive() says how
             super().send_step(actions)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         if self.trainer_end in ready:
             try:
                 status, payload = self.trainer_end.recv()
@@ -905,19 +805,15 @@ class GuardedWorker(Worker):
                 return payload
             if status == "error":
                 raise WorkerError(f"{name} failed: {payload}")
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+               else f"exit code {code}")
         raise WorkerError(f"{name} died ({how})")
 
     def close(self):
-        try:
+        with contextlib.suppress(OSError):
             self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
         self.trainer_end.close()
         self.process.join(timeout=2.0)
         if self.process.is_alive():
@@ -959,14 +855,12 @@ class StepResult(typing.NamedTuple):
 
 
 class WorkerPool:
-    """All the games: num_workers GuardedWorkers with num_envs / num_workers Games each (or one
-    InProcessWorker with --num-workers 0). Their observations land in one [num_envs, obs_size]
-    array (shared memory when there are child processes) that the trainer reads as a tensor without
-    copying. Env i is seeded with first_seed + i."""
+    """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
+    this process with --num-workers 0), their observations in one [num_envs, obs_size] array
+    (shared memory with child processes), read as a tensor without a copy."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
-        self.device = device
-        self.workers, self.shared_obs = [], None
+        self.device, self.workers, self.shared_obs = device, [], None
         shape = (config.num_envs, obs_size)
         if config.num_workers == 0:
             self.obs_array = np.zeros(shape, dtype=np.float32)
@@ -986,9 +880,7 @@ class WorkerPool:
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:
-            # The children have the memory mapped now, so its name is no longer needed: unlinking
-            # it at once means no segment is ever left behind in /dev/shm, however this ends.
+        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
             self.shared_obs.unlink()
         self.obs_tensor = torch.from_numpy(self.obs_array)
 
@@ -997,8 +889,7 @@ class WorkerPool:
         return self.obs_tensor.to(self.device)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        """Step every game: send all workers their actions first, then collect, so that children
-        run in parallel."""
+        """Send all workers their actions first, then collect: the children run in parallel."""
         for worker in self.workers:
             worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
         results = [worker.receive() for worker in self.workers]
@@ -1020,22 +911,17 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
-
 # ----- Adam and compilation -----------------------------------------------------------------------
 
 
 class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what `torch.optim.Adam` computes, in a few lines:
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected in
-    the first steps, and each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Why not
-    torch.optim.Adam: its first use imports torch._dynamo, which takes over a second, a share of
-    a short run (benchmarks/README.md). tests/ check this class against torch.optim.Adam.
-    """
+    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
+    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
+    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
+    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
 
     def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params = list(params)
-        self.lr, self.eps, self.betas = lr, eps, betas
-        self.steps = 0
+        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
 
@@ -1045,20 +931,17 @@ class Adam:
 
     @torch.no_grad()
     def step(self):
-        beta1, beta2 = self.betas
+        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
         self.steps += 1
-        bias_correction1 = 1 - beta1 ** self.steps
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.steps)
-        grads = [p.grad for p in self.params]
         # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
         torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
         torch._foreach_mul_(self.exp_avg_sq, beta2)
         torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
         # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
         denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, bias_correction2_sqrt)
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
         torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / bias_correction1
+        step_size = self.lr / (1 - beta1 ** self.steps)
         torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
 
     def state_dict(self) -> dict:
@@ -1067,20 +950,19 @@ class Adam:
 
     def load_state_dict(self, state: dict):
         self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        saved = state["exp_avg"] + state["exp_avg_sq"]
-        for mine, theirs in zip(self.exp_avg + self.exp_avg_sq, saved):
-            mine.copy_(theirs)
+        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
+                               state["exp_avg"] + state["exp_avg_sq"]):
+            mine.copy_(saved)
 
 
 def compile_learner(main: Main):
-    """torch.compile the loss (its backward is compiled with it). The recurrent kinds step a cell
-    along the sequence in a Python loop, which compiles into one long graph: seconds that small
-    games never earn back, hence off by default. A machine that cannot compile falls back to eager
-    at the first minibatch, with a one-line warning."""
+    """torch.compile the loss (its backward compiled with it). The recurrent kinds step a cell in a
+    Python loop, which compiles into one long graph: seconds that small games never earn back,
+    hence off by default. A machine that cannot compile falls back to eager at the first
+    minibatch, with a one-line warning."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     trainer = main.trainer
-    eager_loss = trainer.compute_loss
-    compiled_loss = torch.compile(eager_loss)
+    eager_loss, compiled_loss = trainer.compute_loss, torch.compile(trainer.compute_loss)
 
     def compute_loss(minibatch: Minibatch):
         try:
@@ -1096,11 +978,9 @@ def compile_learner(main: Main):
 
 
 def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
-    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
-    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
-    reads as if something were wrong. A filter on that logger drops this one message."""
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
+    loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
 
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
@@ -1113,21 +993,18 @@ class Ranks:
     """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
     torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
-    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
-    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
-    minibatches, but the ranks average their gradients before each step, so all take the same step
-    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
-    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
-    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
-    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
-    world of one, and every method returns at once.
-    """
+    Data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs games (env
+    i of rank r gets seed + r * num_envs + i) and splits its own rollout into minibatches, but the
+    ranks average their gradients before each step, so all hold the same weights.
+    --total-timesteps, the learning-rate schedule and --checkpoint-every count the steps of all
+    ranks (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no
+    rank waits in a collective the others skipped; rank 0 writes the files. Without torchrun: a
+    world of one, and every method returns at once."""
 
     def __init__(self, device: torch.device):
         self.distributed = "WORLD_SIZE" in os.environ  # set by torchrun
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        self.device = device
+        self.rank, self.device = int(os.environ.get("RANK", 0)), device
         if not self.distributed:
             return
         if device.type == "cuda":  # one GPU per rank: the LOCAL_RANK-th of its machine
@@ -1190,18 +1067,16 @@ class Ranks:
 
     def from_rank_0(self, make):
         """make() run on rank 0 only; its result, or the UsageError it raised, on every rank."""
-        if not self.distributed:
-            return make()
-        result = [None]
+        result = None
         if self.rank == 0:
             try:
-                result[0] = make()
+                result = make()
             except UsageError as error:
-                result[0] = error
-        self.collective(dist.broadcast_object_list, result, 0)
-        if isinstance(result[0], UsageError):
-            raise result[0]
-        return result[0]
+                result = error
+        result = self.gather(result)[0]
+        if isinstance(result, UsageError):
+            raise result
+        return result
 
     def copy_from_rank_0(self, tensors):
         """Overwrite the tensors (the initial weights) with rank 0's."""
@@ -1215,17 +1090,20 @@ class Ranks:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
         digests = self.gather(digest.hexdigest())
-        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        differ = [str(rank) for rank, other in enumerate(digests) if other != digests[0]]
         if differ:
-            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank "
-                            f"0's at the end of the run")
+            raise RankError(f"the weights of rank {', '.join(differ)} differ from rank 0's at "
+                            f"the end of the run")
 
     def close(self):
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-
 # ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
 
 
 class WorkerError(RuntimeError):
@@ -1255,11 +1133,7 @@ class RunGuard:
         self.previous_threads = torch.get_num_threads()
         self.ranks = self.games = self.log = self.summary = None
 
-    @property
-    def config(self) -> Config:
-        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
-        return self.main.config
-
+    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
@@ -1288,15 +1162,13 @@ class RunGuard:
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Reproducibility: every random draw of the trainer comes from torch's seeded generator
-        # (action sampling, minibatch shuffling), and each game from its own seeded generator.
-        # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
+        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
+        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
-        # One thread is fastest for networks this small: splitting a 64-unit layer over threads
-        # costs more than it saves (benchmarks/README.md). Given back when the run ends.
+        # One thread is fastest for networks this small (benchmarks/README.md); given back after.
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
@@ -1332,10 +1204,9 @@ class RunGuard:
         return self.ranks.mean([value])[0]
 
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
-        Under torchrun the ranks meet here once per rollout: each learns every rank's episodes, in
-        the same order (by step, then rank), and whether any was asked to stop, so all take the
-        same decisions."""
+        """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
+        torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
+        same order (by step, then rank), and whether any was asked to stop."""
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1409,11 +1280,17 @@ class RunLog:
         self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
         self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
-        self.last_print = 0.0
-        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+        self.last_print, self.writer = 0.0, None
+        if guard.ranks.rank == 0:  # rank 0 speaks for all; TensorBoard shows the settings too
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(guard.run_dir))
+            rows = "\n".join(f"|{key}|{value}|" for key, value in
+                             dataclasses.asdict(guard.config).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
 
     def say(self, line: str):
-        if self.writer is not None:  # rank 0 speaks for all
+        if self.writer is not None:
             print(line, flush=True)
 
     def start(self):
@@ -1499,7 +1376,7 @@ class RunLog:
 
     def finish(self, interrupted: bool, failed: bool) -> dict:
         """Write summary.json, print the last progress line (once) and how the run ended."""
-        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
         speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
             "script": SCRIPT, "env": config.env, "memory": config.memory, "seed": config.seed,
@@ -1531,19 +1408,6 @@ class RunLog:
             self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def make_writer(run_dir: Path, config: Config):
-    """TensorBoard writer, with the hyperparameters as a text table."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir))
-    rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    return writer
-
-
-
 
 # ----- Checkpoints --------------------------------------------------------------------------------
 
@@ -1577,10 +1441,9 @@ def restore_learner(main: Main, state: dict):
 
 
 def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
-    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
-    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
-    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
-    never jumps; a new --learning-rate starts there."""
+    """Where a resumed run anneals the learning rate from, as (step, rate): as saved with the
+    checkpoint's total and rate; with another --total-timesteps from `rate` (the last update's) to 0
+    over the steps left, so that it never jumps; a new --learning-rate starts there."""
     saved = checkpoint["config"]
     if config.learning_rate != saved["learning_rate"]:
         return step, config.learning_rate
@@ -1591,8 +1454,7 @@ def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float)
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
     """Write to a temporary file, then rename: a crash or a full disk never leaves half a
-    checkpoint, and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold
-    the same learner)."""
+    checkpoint, and a failed write keeps the previous one. Rank 0 writes (all hold the same)."""
     if ranks.rank != 0:
         return
     temporary = path.with_suffix(".tmp")
@@ -1608,13 +1470,11 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
 
 def find_checkpoint(path: str) -> Path:
     """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
-    if Path(path).is_dir():
-        if not (Path(path) / "checkpoint.pt").is_file():
-            raise UsageError(f"run folder {path} holds no checkpoint.pt")
-        return Path(path) / "checkpoint.pt"
-    if not Path(path).is_file():
-        raise UsageError(f"checkpoint {path} not found")
-    return Path(path)
+    found = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
+    if not found.is_file():
+        raise UsageError(f"run folder {path} holds no checkpoint.pt" if Path(path).is_dir()
+                         else f"checkpoint {path} not found")
+    return found
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1630,8 +1490,7 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
-    checkpoint["path"] = str(path)
-    return checkpoint
+    return {**checkpoint, "path": str(path)}
 
 
 # The settings a checkpoint's weights are made for: another value cannot resume or evaluate them.
@@ -1640,8 +1499,8 @@ NETWORK_FIELDS = ("env", "hidden_size", "memory", "frame_stack", "attention_span
 
 
 def resumed_config(checkpoint: Optional[dict], given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
+    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
     checkpoint's folder unless given. A different env or network is refused. Without a checkpoint,
     the given settings, with the --memory kind's values for the fields left at None."""
     if checkpoint is None:
@@ -1657,7 +1516,6 @@ def resumed_config(checkpoint: Optional[dict], given: Config) -> Config:
                              f"{saved.get(name)}, not {changed[name]}")
     return Config(**{**saved, **changed})
 
-
 # ----- Evaluation and video -----------------------------------------------------------------------
 
 
@@ -1669,21 +1527,18 @@ def evaluate_checkpoint(given: Config) -> dict:
     check_settings(with_kind_defaults(given))
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
-    obs_size, num_actions = inspect_env(config.env)
-    model = Model(obs_size, num_actions, config)
+    model = Model(*inspect_env(config.env), config)
     model.load_state_dict(checkpoint["model"])
     torch.manual_seed(config.seed)
-    run_dir = Path(config.run_dir)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
-    video, memory = None, model.initial_memory(1)
+    video, path, returns = None, Path(config.run_dir) / "eval.mp4", []
+    memory, next_start = model.initial_memory(1), torch.ones(1)
     next_input = encode_inputs(model, torch.from_numpy(game.reset())[None])
-    next_start = torch.ones(1)
     inputs, starts = torch.zeros(model.window, 1, model.input_size), torch.zeros(model.window, 1)
-    returns = []
     try:
         while len(returns) < config.eval_episodes:
             if config.video:
-                video = write_frame(video, game, run_dir / "eval.mp4")
+                video = write_frame(video, game, path)
             inputs = torch.cat([inputs[1:], next_input[None]])
             starts = torch.cat([starts[1:], next_start[None]])
             actions, _, _, memory = model.act(inputs, starts, memory, greedy=config.greedy)
@@ -1702,22 +1557,21 @@ def evaluate_checkpoint(given: Config) -> dict:
     episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
     print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
     if video is not None:
-        print(f"video: {run_dir / 'eval.mp4'}")
+        print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
             "std_return": std, "returns": returns, "greedy": config.greedy,
-            "video": str(run_dir / "eval.mp4") if video is not None else None}
+            "video": str(path) if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
-    """Append the game's current picture to the mp4 (OpenCV's VideoWriter, opened at the first
-    frame)."""
+    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
     import cv2  # only --video needs OpenCV
 
     # pygame, which draws the classic-control games, would open SDL's display and sound drivers
     # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    frame = game.env.render()
+    frame = game.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fps = game.env.metadata.get("render_fps", 30)
@@ -1728,34 +1582,33 @@ def write_frame(video, game: Game, path: Path):
     video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
     return video
 
-
 # ----- Checking the input -------------------------------------------------------------------------
 
 
-RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
-          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
+RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
+          "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
+          "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
 def with_kind_defaults(config: Config) -> Config:
     """The config with each field left at None set to its --memory kind's value (KIND_DEFAULTS)."""
     if config.memory not in KIND_DEFAULTS:
-        raise UsageError(f"unknown --memory {config.memory!r}: use {', '.join(MEMORY_KINDS)}")
+        raise UsageError(f"unknown --memory {config.memory!r}: use {', '.join(KIND_DEFAULTS)}")
     chosen = {name: value for name, value in KIND_DEFAULTS[config.memory].items()
               if getattr(config, name) is None}
     return dataclasses.replace(config, **chosen)
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
     for f in dataclasses.fields(Config):
-        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
-        flag = flag.replace("_", "-")
+        value, rule = getattr(config, f.name), f.metadata["check"]
+        flag = "--" + f.name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number, not {value}")
-        if rule is not None and value is not None and not RANGES[rule](value):
-            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
-            raise UsageError(f"{flag} must be {wanted}, not {value}")
+        if rule is not None and value is not None and not RANGES[rule][0](value):
+            raise UsageError(f"{flag} must be {RANGES[rule][1]}, not {value}")
     for flag in ("video", "greedy"):
         if getattr(config, flag) and not config.eval:
             raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
@@ -1786,12 +1639,10 @@ def inspect_env(env_id: str):
     number of actions)."""
     register_stateless_envs()
     if env_id not in gym.registry:
-        try:
-            import ale_py  # registers the Atari ids, to tell the user where those belong
+        with contextlib.suppress(ImportError):  # ale-py registers the Atari ids: say where they go
+            import ale_py
 
             gym.register_envs(ale_py)
-        except ImportError:
-            pass
         if env_id in gym.registry:
             raise UsageError(f"{env_id} is an Atari game: use ppo_atari.py")
         close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
@@ -1830,8 +1681,8 @@ def pick_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but torch sees no CUDA device here: use --device cpu")
@@ -1858,14 +1709,12 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
             path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        (run_dir / ".write-test").write_text("")
+        (run_dir / ".write-test").unlink()
     except OSError as error:
-        reason = error.strerror or error
-        raise UsageError(f"cannot write to --run-dir {run_dir}: {reason}") from None
+        raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}"
+                         ) from None
     return run_dir
-
 
 # ----- The command line ---------------------------------------------------------------------------
 
