@@ -431,13 +431,13 @@ class Main:
     def anneal_learning_rate(self):
         """Linear learning-rate annealing (37 details, #4): to 0 at the end, set per rollout."""
         if self.config.anneal_lr:
-            start_step, start_rate = self.anneal_from  # (0, learning_rate), or where a resume was
+            start_step, start_rate = self.anneal_from  # set by the guard: (0, lr), or a resume's
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
             self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps of every game into the rollout (observations in, out normalised)."""
+        """Play num_steps steps of every game into the rollout; the next (normalised) obs."""
         config, rollout, guard = self.config, self.rollout, self.guard
         episodes = []  # (step, its result): which games ended, their raw returns and lengths
         for step in range(config.num_steps):

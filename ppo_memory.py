@@ -9,9 +9,10 @@ several epochs, and keeps the new policy near the one that played by clipping th
 ratio rho_t = pi(a_t | h_t) / pi_old(a_t | h_t) (`Trainer.ppo_loss` derives it); the advantage
 A_t, how much better a_t did than the value V(h_t) expected, comes from GAE (`compute_gae` derives
 it). Stateless CartPole (the default) hides the velocities: the policy acts on the history
-h_t = (o_1, a_1, r_1, ..., o_t), which --memory keeps as o_t alone (none), the last k steps side
-by side (framestack), a state carried from step to step (lstm, gru) or a gated Transformer-XL
-block over the last M steps (attention). rho_t is right only if training sees what the rollout saw.
+h_t = (o_1, a_1, r_1, ..., o_t), which --memory keeps as the last step alone (none), the last k
+steps side by side (framestack), a state carried from step to step (lstm, gru) or a gated
+Transformer-XL block over the last M steps (attention). rho_t is right only if training sees
+what the rollout saw.
 
 Run it:         python ppo_memory.py --memory lstm   (stateless CartPole; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_memory.py   (data parallel: `Ranks`)
@@ -339,8 +340,9 @@ class GatedAttention(nn.Module):
     """--memory attention: one block of the Gated Transformer-XL (GTrXL, Parisotto et al., 2020),
     each step the query over its window of the last M steps, never across an episode start (the
     window mask); positions relative to the step; pre-LayerNorm; a `GRUGate` where a Transformer
-    adds the residual. Training re-encodes the raw rows with the current weights: the ratio starts
-    at exactly 1 (CleanRL's ppo_trxl caches each layer's states, stale after the first epoch)."""
+    adds the residual. Training re-encodes the stored input rows with the current weights: the
+    ratio starts at exactly 1 (CleanRL's ppo_trxl caches each layer's states, stale after one
+    epoch)."""
 
     def __init__(self, size: int, span: int, heads: int = 4):
         super().__init__()
