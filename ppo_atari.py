@@ -1,51 +1,37 @@
 """PPO for Atari games from pixels, in one file: the PPO paper's Atari setup, annotated.
 
 Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the Atari preprocessing of
-DeepMind's DQN (Mnih et al., 2015) and the implementation details of CleanRL and Stable-Baselines3
-("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details"), each named where it is
-implemented; their published scores (10M steps: Breakout ~400, Pong ~20) are the yardstick. The
-idea: play a rollout with the current policy, estimate each action's advantage A_t with GAE
-(`compute_gae` derives it), then learn from the rollout for several epochs, keeping the new policy
-near the one that played by clipping the probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t)
-(`Trainer.ppo_loss` derives it). Read it top to bottom, `Config` to `Main`: the banner ends the
-lesson, and the machinery below it may be skipped.
+DeepMind's DQN (Mnih et al., 2015) and the details of CleanRL and SB3 ("The 37 Implementation
+Details of PPO", Huang et al., 2022: "37 details") named where used. The idea: play a rollout with
+the current policy, estimate each action's advantage A_t with GAE (`compute_gae` derives it), then
+learn from it for several epochs, keeping the new policy near the one that played by clipping the
+probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t) (`Trainer.ppo_loss` derives it).
 
 Run it:         python ppo_atari.py --env BreakoutNoFrameskip-v4   (--help lists every flag)
-On N GPUs:      torchrun --standalone --nproc_per_node N ppo_atari.py   (data parallel)
+On N GPUs:      torchrun --standalone --nproc_per_node N ppo_atari.py   (data parallel: `Ranks`)
 In a notebook:  from ppo_atari import Config, Main; Main(Config(total_timesteps=50_000)).run()
-                (or paste this file into a cell, and call `Main(Config(...)).run()` in the next)
-10M steps take hours even on a GPU; on a 2-core CPU, 6 or 7 hours (see README).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import math
 import multiprocessing
-import sys
 import typing
-from dataclasses import dataclass, field
 from typing import Optional
 
 SCRIPT = "ppo_atari"
-FRAME_SIZE = 84  # DQN's observation: 84x84 grayscale
-FRAME_STACK = 4  # the last 4 frames, so that the network can see motion
-FRAME_SKIP = 4  # each action is repeated for 4 emulator frames
+FRAME_SIZE, FRAME_STACK, FRAME_SKIP = 84, 4, 4  # DQN's: 84x84 grey, 4 stacked, each action 4 frames
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the command line prints its message on one line, exit status 2."""
+def option(default, help, check=None):  # a Config field: its default, --help line, valid range
+    return dataclasses.field(default=default, metadata={"help": help, "check": check})
 
 
-def option(default, help, check=None):
-    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
-    return field(default=default, metadata={"help": help, "check": check})
-
-
-@dataclass
+@dataclasses.dataclass
 class Config:
-    """Every setting of a run. Each field is also a command-line flag (`num_envs` -> `--num-envs`).
-    The defaults are the PPO paper's Atari settings, as CleanRL's ppo_atari.py uses them."""
+    """Every setting of a run, each a flag (`num_envs`: `--num-envs`); the PPO paper's defaults."""
 
     # PPO's hyperparameters.
     learning_rate: float = option(2.5e-4, "Adam's step size, annealed linearly to 0", "> 0")
@@ -60,20 +46,17 @@ class Config:
     vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
     max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
     target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
-
     # Collecting experience.
     env: str = option("BreakoutNoFrameskip-v4", "Atari game id: *NoFrameskip-v4 or ALE/*-v5")
     env_backend: str = option("ale-vector", "ale-vector (ale-py's C++ engine) | game (Workers)")
     num_envs: int = option(8, "games played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(2, "child processes for --env-backend game (0 = in this one)", ">= 0")
     num_steps: int = option(128, "steps per game in a rollout of num_envs * num_steps", "> 0")
-
     # The run.
     seed: int = option(1, "seeds everything; game i of rank r gets seed + r * num_envs + i", ">= 0")
     total_timesteps: int = option(10_000_000, "agent steps over all games (and ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
-    run_dir: Optional[str] = option(
-        None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
+    run_dir: Optional[str] = option(None, "logs, checkpoint, summary (None: a new folder in runs/)")
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean score of 100 games")
     checkpoint_every: int = option(500_000, "save a checkpoint every this many steps", "> 0")
@@ -88,25 +71,20 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
-    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    """A flag per Config field, read before torch is imported (2 s): --help answers at once."""
     flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
     def refuse(message: str):
         typed = [word for word in message.split() if word.startswith("--")]
         close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
         hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
-        print(f"error: {message}{hint}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"error: {message}{hint}\n")
 
     def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
-        try:
-            number = float(text.replace("_", ""))
-        except ValueError:
-            number = math.nan
-        if not number.is_integer():
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
-        return int(number)
+        with contextlib.suppress(ValueError):
+            if (number := float(text.replace("_", ""))).is_integer():
+                return int(number)
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -132,30 +110,26 @@ import torch.nn as nn
 
 class Game:
     """One Atari game, preprocessed as DQN, the PPO paper, CleanRL and SB3 do it (SB3's names):
-    - Frame skip (MaxAndSkipEnv): each action is held for 4 emulator frames, their rewards summed
-      (fewer if the game ends), the picture the max of the last two frames (sprites flicker).
-    - 84x84 grey (WarpFrame): grayscale frames, shrunk by area interpolation (averaging pixels).
-    - Frame stack: the observation is the last 4 pictures, so that motion shows; a training episode
-      starts from zeros and its first picture.
-    - Episodic life (EpisodicLifeEnv): a lost life ends the training episode (`terminated`), which
-      helps early on; the game goes on, and `info["episode"]` holds the whole game's real score.
-    - Fire reset (FireResetEnv): games like Breakout wait for FIRE after a (re)start: pressed here.
-    - Reward clipping (ClipRewardEnv): the training reward is the sign of the score change, so that
-      one step size fits games whose points differ by orders of magnitude.
+    - Frame skip (MaxAndSkipEnv): each action is held for 4 emulator frames, their rewards summed;
+      the picture is the max of the last two frames (sprites flicker). (v5's sticky actions stay.)
+    - 84x84 grey (WarpFrame): grayscale, shrunk by area interpolation. Frame stack: the last 4
+      pictures, so that motion shows (zeros and the first picture as a training episode starts).
+    - Episodic life (EpisodicLifeEnv): a lost life ends the training episode (`terminated`); the
+      game goes on, and `info["episode"]` holds the whole game's real score.
+    - Fire reset (FireResetEnv): FIRE is pressed where a game waits for it after a (re)start.
+    - Reward clipping (ClipRewardEnv): the reward's sign, so that one step size fits every game.
     - No-op starts (NoopResetEnv): 1..30 random NOOP frames start a game, so that games differ."""
 
-    def __init__(self, env_id: str, seed: int, noop_max: int = 30,
-                 render_mode: Optional[str] = None):
+    def __init__(self, env_id: str, seed: int, noop_max: int = 30, render_mode=None):
         ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no start-up banner on stderr
-        # frameskip=1: the Game skips frames itself. (v5's sticky actions stay, as the id asks.)
         self.env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
         self.ale, meanings = self.env.unwrapped.ale, self.env.unwrapped.get_action_meanings()
         self.needs_fire = len(meanings) >= 3 and meanings[1] == "FIRE"  # FireResetEnv's test
         self.noop_max, self.seed, self.rng = noop_max, seed, np.random.default_rng(seed)
         self.stack = np.zeros((FRAME_STACK, FRAME_SIZE, FRAME_SIZE), dtype=np.uint8)
+        self.close = self.env.close
 
-    def reset(self) -> np.ndarray:
-        """A new game: no-op starts (the count drawn by the Game's seeded generator), then FIRE."""
+    def reset(self) -> np.ndarray:  # a new game: no-op starts (drawn by self.rng), then FIRE
         self.frames = [self.env.reset(seed=self.seed)[0]] * 2  # the last two, for the max-pool
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0  # (seeded once)
         for _ in range(self.rng.integers(1, self.noop_max + 1) if self.noop_max else 0):
@@ -163,62 +137,48 @@ class Game:
             if self.game_over:
                 self.frames, self.episode_return = [self.env.reset()[0]] * 2, 0.0
         self.lives = self.ale.lives()
-        return self.start_episode()
+        return self.observe(new_episode=True)
 
-    def repeat(self, action: int, frames: int = FRAME_SKIP) -> float:
-        """The action for 4 frames, or fewer if the game ends (or hits ALE's frame limit)."""
+    def repeat(self, action: int, frames: int = FRAME_SKIP) -> float:  # fewer if the game ends
         reward = 0.0
         for _ in range(frames):
             frame, frame_reward, self.game_over, self.truncated, _ = self.env.step(action)
-            self.frames = [self.frames[1], frame]
-            reward += frame_reward
-            if self.game_over or self.truncated:
+            self.frames, reward = [self.frames[1], frame], reward + frame_reward
+            if self.game_over or self.truncated:  # (truncated: ALE's limit of frames in a game)
                 break
         return reward
 
-    def picture(self) -> np.ndarray:
-        """The max of the last two frames, shrunk to 84x84."""
-        return cv2.resize(np.maximum(*self.frames), (FRAME_SIZE, FRAME_SIZE),
-                          interpolation=cv2.INTER_AREA)
-
-    def start_episode(self) -> np.ndarray:
-        """FIRE, then action 2, where the game needs them (as FireResetEnv; their points count in
-        the score); then a fresh stack: zeros and the picture."""
-        for action in (1, 2) if self.needs_fire else ():
+    def observe(self, new_episode: bool = False) -> np.ndarray:
+        """A copy of the stack, its newest picture (the last two frames' max, shrunk) last; a new
+        training episode starts with FIRE and 2 where needed (FireResetEnv), the older ones zero."""
+        for action in (1, 2) if new_episode and self.needs_fire else ():
             self.episode_return += self.repeat(action)
-        self.stack[:-1] = 0
-        self.stack[-1] = self.picture()
+        self.stack[:-1] = 0 if new_episode else self.stack[1:]
+        self.stack[-1] = cv2.resize(np.maximum(*self.frames), (FRAME_SIZE, FRAME_SIZE),
+                                    interpolation=cv2.INTER_AREA)
         return self.stack.copy()
 
     def step(self, action: int):
         reward = self.repeat(int(action))
         self.episode_return += reward
         self.episode_length += 1
-        self.stack[:-1] = self.stack[1:]  # shift out the oldest picture...
-        self.stack[-1] = self.picture()  # ...and put the newest last
+        obs = self.observe()
         life_lost, self.lives = 0 < self.ale.lives() < self.lives, self.ale.lives()  # 0: game over
-        # Read the flags now: the restarts below step the emulator again and overwrite them.
-        game_over, truncated = self.game_over, self.truncated
+        game_over, truncated = self.game_over, self.truncated  # (the restarts below step again)
         terminated = game_over or life_lost
-        info = {"final_obs": self.stack.copy()} if terminated or truncated else {}
+        info = {"final_obs": obs} if terminated or truncated else {}
         if game_over or truncated:
             info["episode"] = {"return": self.episode_return, "length": self.episode_length}
             obs = self.reset()
         elif life_lost:  # as EpisodicLifeEnv + FireResetEnv: one NOOP step, then a new episode
             self.episode_return += self.repeat(0)
-            obs = self.start_episode()
-        else:
-            obs = self.stack.copy()
+            obs = self.observe(new_episode=True)
         return obs, float(np.sign(reward)), terminated, truncated, info
-
-    def close(self):
-        self.env.close()
 
 
 class Worker:
-    """Runs several Games in a forked child process (games play on several cores). Actions go down a
-    pipe; rewards, flags and ended episodes come back. Observations, the one large array, skip the
-    pipe: shared memory (`obs_view`), read without a copy. (`GuardedWorker`: the same, guarded.)"""
+    """Runs several Games in a child process, on a core of its own: actions go down a pipe,
+    rewards, flags and ended episodes come back; observations skip it (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -232,22 +192,17 @@ class Worker:
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game, observations into `obs_out`. Returns rewards and end flags as arrays, and
-        by game index the ended episodes' final observations and the ended games' statistics."""
-        rewards = np.empty(len(games), dtype=np.float32)
-        terminated, truncated = np.empty(len(games), dtype=bool), np.empty(len(games), dtype=bool)
-        final_obs, episodes = {}, {}
+        """Step each Game (observations into `obs_out`): rewards, end flags, ended episodes."""
+        rewards, terminated, truncated = (np.empty(len(games), t) for t in (np.float32, bool, bool))
+        infos = [{}] * len(games)
         for i, (game, action) in enumerate(zip(games, actions)):
-            obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(action)
-            if "final_obs" in info:
-                final_obs[i] = info["final_obs"]
-            if "episode" in info:
-                episodes[i] = info["episode"]
+            obs_out[i], rewards[i], terminated[i], truncated[i], infos[i] = game.step(action)
+        final_obs = {i: info["final_obs"] for i, info in enumerate(infos) if "final_obs" in info}
+        episodes = {i: info["episode"] for i, info in enumerate(infos) if "episode" in info}
         return rewards, terminated, truncated, final_obs, episodes
 
-    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
-        """The child: its Games (game i gets seed + i), then each step asked, until "close"."""
-        games = [Game(env_id, seed + i) for i in range(len(obs_view))]
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):  # in the child
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # game i: seed + i
         obs_view[:] = [game.reset() for game in games]
         conn.send(("ok", None))
         while (command := conn.recv())[0] == "step":
@@ -256,72 +211,58 @@ class Worker:
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
 
-    def receive(self) -> tuple:
-        return self.trainer_end.recv()[1]  # (the observations are in `obs_view` by then)
+    def receive(self) -> tuple:  # the last send_step's result; observations are in obs_view
+        return self.trainer_end.recv()[1]
 
     def close(self):
         self.trainer_end.send(("close", None))
         self.process.join()
 
 
-def layer(in_size: int, out_size: int, gain: float = math.sqrt(2), kernel_size: int = 0,
-          stride: int = 1) -> nn.Module:
-    """A linear layer (a convolution, given a kernel size) with orthogonal weights of the given gain
-    and zero biases (37 details, #2: sqrt(2) in the body; 0.01 for the policy, so that all actions
-    start equally likely; 1 for the value)."""
-    module = (nn.Conv2d(in_size, out_size, kernel_size, stride) if kernel_size
-              else nn.Linear(in_size, out_size))
+def layer(module: nn.Module, gain: float = math.sqrt(2)) -> nn.Module:
+    """Orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2) in the body, 0.01
+    for the policy so that all actions start equally likely, 1 for the value)."""
     nn.init.orthogonal_(module.weight, gain)
     nn.init.zeros_(module.bias)
     return module
 
 
 class Model(nn.Module):
-    """The Nature CNN (Mnih et al., 2015), one body with two heads as in the PPO paper: a policy and
-    a value. Input: uint8 [batch, 4, 84, 84] (4 times smaller than float32), scaled to [0, 1] here.
-    `bfloat16=True` runs the body in bfloat16 (3 digits); weights, gradients, heads stay float32."""
+    """The Nature CNN (Mnih et al., 2015), one body with a policy and a value head, on uint8 stacks
+    scaled to [0, 1] here. `bfloat16`: the body in bfloat16 (3 digits); the rest stays float32."""
 
     def __init__(self, num_actions: int, bfloat16: bool = False):
         super().__init__()
         self.bfloat16 = bfloat16
         self.body = nn.Sequential(
-            layer(FRAME_STACK, 32, kernel_size=8, stride=4), nn.ReLU(),  # -> 32 x 20 x 20
-            layer(32, 64, kernel_size=4, stride=2), nn.ReLU(),  # -> 64 x 9 x 9
-            layer(64, 64, kernel_size=3), nn.ReLU(),  # -> 64 x 7 x 7
-            nn.Flatten(), layer(64 * 7 * 7, 512), nn.ReLU())
-        self.policy = layer(512, num_actions, gain=0.01)
-        self.critic = layer(512, 1, gain=1.0)
+            layer(nn.Conv2d(FRAME_STACK, 32, 8, stride=4)), nn.ReLU(),  # -> 32 x 20 x 20
+            layer(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),  # -> 64 x 9 x 9
+            layer(nn.Conv2d(64, 64, 3)), nn.ReLU(),  # -> 64 x 7 x 7
+            nn.Flatten(), layer(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
+        self.policy = layer(nn.Linear(512, num_actions), gain=0.01)
+        self.critic = layer(nn.Linear(512, 1), gain=1.0)
 
-    def forward(self, obs: torch.Tensor):
-        """Logits of the actions [batch, actions] and values [batch]."""
+    def forward(self, obs: torch.Tensor):  # -> the actions' logits [batch, actions], values
         with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.bfloat16):
             hidden = self.body(obs.float() / 255.0).float()
         return self.policy(hidden), self.critic(hidden).squeeze(-1)
 
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self(obs)[1]
-
-    def act(self, obs: torch.Tensor, greedy: bool = False):
-        """Actions for a batch of observations, their log-probabilities and the values, [batch]."""
+    def act(self, obs: torch.Tensor, greedy: bool = False):  # actions, log-probabilities, values
         logits, value = self(obs)
         log_probs = torch.log_softmax(logits, dim=-1)
         actions = log_probs.argmax(-1) if greedy else torch.multinomial(log_probs.exp(), 1)[:, 0]
         return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), value
 
-    def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor):
-        """For the loss: the actions' log-probabilities now, the policy's entropy, the values."""
+    def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor):  # (the loss's inputs)
         logits, value = self(obs)
         log_probs = torch.log_softmax(logits, dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return log_prob, entropy, value
+        return log_prob, -(log_probs.exp() * log_probs).sum(-1), value  # entropy in the middle
 
 
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
-    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
-
-    rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
-    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
+    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12): advantages
+    [T, N] from rewards, values, dones [T, N] (time, env) and last_value [N] (after the last step).
 
     The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
     expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
@@ -333,18 +274,14 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
     (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
 
-        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
-                  = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
+        A_t = sum_l (gamma lambda)^l delta_(t+l) = delta_t + gamma lambda (1 - d_t) A_(t+1)
 
     lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
-    (d_t) when the episode ended at step t, after action t, by termination or truncation: it cuts
-    the sum there; for a truncation the trainer has already added gamma * V(final observation) to
-    rewards[t] (the episode would have gone on). Readers who know CleanRL: its `dones[t]` means
-    "obs[t] starts a new episode", one step later than here; the advantages are the same.
-    """
+    (d_t) when the episode ended at step t (after action t) by termination or truncation: the sum
+    stops there; a truncation's gamma * V(final observation) is already in rewards[t]. (CleanRL's
+    `dones[t]` means "obs[t] starts a new episode", one step later; the advantages are the same.)"""
     advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros_like(last_value)
-    next_value = last_value
+    next_advantage, next_value = torch.zeros_like(last_value), last_value
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t]
         delta = rewards[t] + gamma * next_value * not_done - values[t]
@@ -354,9 +291,7 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     return advantages
 
 
-class Minibatch(typing.NamedTuple):
-    """A shuffled slice of the rollout, one row per step: what the Trainer learns from."""
-
+class Minibatch(typing.NamedTuple):  # a shuffled slice of the rollout: what the Trainer learns
     obs: torch.Tensor  # [batch, 4, 84, 84] uint8, as the policy saw them
     actions: torch.Tensor  # [batch], the actions it took
     old_log_probs: torch.Tensor  # their log-probabilities then
@@ -366,10 +301,9 @@ class Minibatch(typing.NamedTuple):
 
 
 class Rollout:
-    """The rollout buffer, on the training device. A game's consecutive stacks share 3 of their 4
-    pictures: it stores each picture once (7,056 bytes a step, not 28,224), and rebuilds stacks.
-    `restarts[t]` marks the games whose stack restarted after step t: with the Game at each end of a
-    training episode, with the default engine only at the end of a game (not at a lost life)."""
+    """What the policy saw, did and got: [num_steps, num_envs, ...], on the device. Each picture is
+    stored once (7,056 bytes a step, not 28,224) and the stacks rebuilt from `restarts[t]`: stacks
+    restarted after step t (with Game at a lost life too, with ale-vector only at game over)."""
 
     def __init__(self, config: Config, device: torch.device):
         self.num_envs, self.device = config.num_envs, device
@@ -378,22 +312,17 @@ class Rollout:
                                      FRAME_SIZE), dtype=torch.uint8, device=device)
         self.actions = torch.zeros(shape, dtype=torch.long, device=device)
         self.log_probs, self.values = (torch.zeros(shape, device=device) for _ in range(2))
-        # What the games return stays on the host (page-locked on a GPU) until the update.
-        pinned = device.type == "cuda"
+        pinned = device.type == "cuda"  # what the games return stays on the host until the update
         self.rewards, self.dones = (torch.zeros(shape, pin_memory=pinned) for _ in range(2))
         self.restarts = torch.zeros(shape, dtype=torch.bool, pin_memory=pinned)
 
-    def store_obs(self, step: int, obs: torch.Tensor):
-        """Keep the newest picture of each game's observation (and, at step 0, the older three)."""
-        if step == 0:
-            self.pictures[:FRAME_STACK - 1] = obs[:, :-1].transpose(0, 1)
-        self.pictures[FRAME_STACK - 1 + step] = obs[:, -1]
+    def store_obs(self, step: int, obs: torch.Tensor):  # the newest picture (at step 0: all four)
+        new = FRAME_STACK if step == 0 else 1  # (row t + 3 holds the newest picture of step t)
+        self.pictures[step + FRAME_STACK - new:step + FRAME_STACK] = obs[:, -new:].transpose(0, 1)
 
-    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
-        """The rows of flat indices (step * num_envs + env), with their stacks rebuilt."""
-        return Minibatch(self.stacks(indices), self.actions.flatten()[indices],
-                         self.log_probs.flatten()[indices], advantages.flatten()[indices],
-                         returns.flatten()[indices], self.values.flatten()[indices])
+    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:  # flat indices
+        return Minibatch(self.stacks(indices), *(column.flatten()[indices] for column in (
+            self.actions, self.log_probs, advantages, returns, self.values)))
 
     def stacks(self, indices: torch.Tensor) -> torch.Tensor:
         """The observations [batch, 4, 84, 84] of flat indices, exactly as the games built them."""
@@ -405,51 +334,45 @@ class Rollout:
         rows = steps[:, None] + torch.arange(FRAME_STACK, device=self.device)
         since = counts[(rows - (FRAME_STACK - 1)).clamp(min=0), envs[:, None]]
         rows = torch.where(since == counts[steps, envs][:, None], rows, len(self.pictures) - 1)
-        pictures = self.pictures.view(-1, FRAME_SIZE, FRAME_SIZE)  # one gather of whole pictures
-        flat_rows = (rows * self.num_envs + envs[:, None]).flatten()
-        return pictures.index_select(0, flat_rows).view(-1, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
+        flat_rows = (rows * self.num_envs + envs[:, None]).flatten()  # one gather of pictures:
+        return self.pictures.flatten(0, 1).index_select(0, flat_rows).unflatten(0, rows.shape)
 
 
 class Trainer:
-    """A PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, clipped gradient."""
+    """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, gradient clip."""
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam with eps 1e-5 instead of 1e-8 (37 details, #3); fused: the same in one kernel.
         self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5,
-                                          fused=True)
-        self.average_gradients = lambda parameters: None  # (the guard sets it under torchrun)
+                                          fused=True)  # eps 1e-5, not 1e-8 (37 details, #3)
+        self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss of a minibatch and its diagnostics, from what the current weights make of
-        it (all [batch]): the negated objective, to be minimised.
+        """The negated PPO objective of a minibatch (to be minimised) and its diagnostics.
 
         Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
         gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
         rho_t = pi_theta(a_t|s_t) / pi_old(a_t|s_t): E_{pi_theta}[A] = E_{pi_old}[rho_t A_t]. At
         theta = theta_old its gradient is the plain policy gradient; further away it lets one
-        rollout serve several epochs, but the estimate worsens as the policies part (other states
-        would be visited; rho_t's variance grows). Why clip: TRPO bounds the move with a KL
-        constraint; PPO (paper, eq. 7) stops rewarding it beyond [1 - eps, 1 + eps]:
+        rollout serve several epochs, but the estimate worsens as the policies part (rho_t's
+        variance grows). Why clip: TRPO bounds the move with a KL constraint; PPO (paper, eq. 7)
+        stops rewarding it beyond [1 - eps, 1 + eps]:
 
             L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
 
         Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
         rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
         pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
-        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
-        smaller one, and its gradient pulls back.
-        """
-        # Advantage normalisation per minibatch (37 details, #7): one step size suits every game.
-        advantages = minibatch.advantages
+        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: its gradient pulls back."""
+        advantages = minibatch.advantages  # normalised per minibatch (37 details, #7)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        # -L_clip (37 details, #8): the max of the negated terms is minus their min.
+        # The clipped surrogate (37 details, #8), negated: the max of the negations is the min.
         log_ratio = new_log_probs - minibatch.old_log_probs
-        ratio = log_ratio.exp()  # rho_t
+        ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-        # Value loss (37 details, #9), clipped like the policy around the rollout's values.
+        # Value loss (37 details, #9): squared error to the returns, clipped like the policy.
         returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
         value_loss = (new_values - returns) ** 2
         if config.clip_value_loss:
@@ -459,28 +382,23 @@ class Trainer:
         # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-        # Diagnostics (37 details, #12): approx KL as (rho_t - 1) - log rho_t, low in variance
-        # (Schulman, "Approximating KL divergence", 2020); the share of samples the clip touched.
+        # Diagnostics (37 details, #12): approx KL by the low-variance (rho - 1) - log rho
+        # (Schulman, "Approximating KL divergence", 2020), and the share the clip touched.
         with torch.no_grad():
-            approx_kl = ((ratio - 1) - log_ratio).mean()
-            clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
-        stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
-                 "approx_kl": approx_kl, "clip_fraction": clip_fraction}
+            stats = {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
+                     "approx_kl": ((ratio - 1) - log_ratio).mean(),
+                     "clip_fraction": ((ratio - 1).abs() > config.clip_coef).float().mean()}
         return loss, stats
 
-    def compute_loss(self, minibatch: Minibatch):
-        """The loss of a minibatch under the current weights (what --compile compiles)."""
-        new_log_probs, entropy, new_values = self.model.evaluate_actions(minibatch.obs,
-                                                                         minibatch.actions)
-        return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
+    def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
+        outputs = self.model.evaluate_actions(minibatch.obs, minibatch.actions)
+        return self.ppo_loss(minibatch, *outputs, self.config)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One gradient step on one minibatch. Returns the diagnostics as tensors (no host sync)."""
+    def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        # hook: under torchrun, the mean gradient over the ranks (a no-op alone)
-        self.average_gradients(self.model.parameters())
+        self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
         # Global gradient clipping (37 details, #11): a rare huge step cannot undo the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
@@ -488,21 +406,13 @@ class Trainer:
         return stats
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """How much of the returns' variance the values predict: 1 all, 0 none (or none to explain)."""
-    returns_variance = returns.var().item()
-    unexplained = (returns - values).var().item()
-    return 0.0 if returns_variance == 0 else 1 - unexplained / returns_variance
-
-
 class Main:
-    """The loop: `Main(config).run()` trains (--eval: plays a checkpoint), returns the summary. An
-    iteration (37 details, #6): play num_steps steps of num_envs games, estimate advantages with
-    GAE, learn for update_epochs passes. `RunGuard` (below the banner) sets up, logs and saves."""
+    """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
+    An iteration (37 details, #6): play a rollout, estimate advantages, learn for some epochs."""
 
     def __init__(self, config: Config):
         self.config, self.guard = config, None
-        self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
+        self.anneal_from = (0, config.learning_rate)  # (step, rate) where annealing starts
 
     def run(self) -> dict:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
@@ -515,10 +425,8 @@ class Main:
             self.model.to(guard.device, memory_format=torch.channels_last)  # faster convolutions
             self.trainer = Trainer(self.model, config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # The games: Workers of Games with --env-backend game; by default ale-py's C++ vector
-            # env, which plays the same games faster (tests/test_atari_game.py holds them equal).
-            self.games = guard.start_games()
-            self.rollout = Rollout(config, guard.device)
+            # By default ale-py plays the games in C++, the same as Game (a test holds them equal).
+            self.games, self.rollout = guard.start_games(), Rollout(config, guard.device)
             next_obs = self.games.observations()
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
@@ -530,82 +438,70 @@ class Main:
                 guard.after_update(stats)  # NaN guard, logging, checkpoint when due
         return guard.summary
 
-    def anneal_learning_rate(self):
-        """Linear annealing to 0 (37 details, #4), from `anneal_from` (which a resume may move)."""
+    def anneal_learning_rate(self):  # linearly, to 0 at the end (37 details, #4)
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
             self.trainer.optimizer.param_groups[0]["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
-    def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """num_steps steps of every game with the current policy; returns the next observation."""
-        config, rollout, device = self.config, self.rollout, self.guard.device
-        ended = []  # (global step, statistics) of the games that end
+    def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:  # -> the next observation
+        config, rollout, device, ended = self.config, self.rollout, self.guard.device, []
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C
                 break
             rollout.store_obs(step, next_obs)
-            actions, log_probs, values = self.model.act(next_obs)
-            rollout.actions[step], rollout.log_probs[step], rollout.values[step] = (
-                actions, log_probs, values)
+            actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
+            rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
             next_obs = self.games.observations()
-            # Truncation is not death: an episode cut by a time limit would have gone on, so its
-            # last reward gets gamma * V(final observation); `dones` then cuts GAE's sum for both.
+            # Truncation is not death: a cut episode's last reward gets gamma * V(final obs).
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
                 cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut])).to(device)
-                result.rewards[cut] += config.gamma * self.model.value(cut_obs).cpu().numpy()
+                result.rewards[cut] += config.gamma * self.model(cut_obs)[1].cpu().numpy()
             rollout.rewards[step] = torch.from_numpy(result.rewards)
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated)
             rollout.restarts[step] = torch.from_numpy(result.restarted)  # see Rollout
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
-            ended += [(self.global_step, episode) for episode in result.episodes.values()]
+            ended += [(self.global_step, episode) for episode in result.episodes.values()]  # games
         self.guard.after_rollout(ended)  # record the games; stop here on Ctrl-C
         return next_obs
 
     @torch.no_grad()
-    def estimate_advantages(self, next_obs: torch.Tensor):
-        """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
-        last_value = self.model.value(next_obs)
+    def estimate_advantages(self, next_obs: torch.Tensor):  # (advantages, returns) by GAE
+        last_value = self.model(next_obs)[1]  # (the model gives logits and values)
         rollout, device = self.rollout, self.guard.device
         rewards, dones = (t.to(device, non_blocking=True) for t in (rollout.rewards, rollout.dones))
         advantages = compute_gae(rewards, rollout.values, dones, last_value, self.config.gamma,
                                  self.config.gae_lambda)
         return advantages, advantages + rollout.values
 
-    def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-        """update_epochs passes over the rollout in shuffled minibatches, one gradient step each;
-        returns the mean diagnostics as floats (the update's only host sync)."""
-        config = self.config
-        batch_size = config.num_envs * config.num_steps
-        minibatch_size = batch_size // config.num_minibatches
-        totals, count = {}, 0
+    def learn(self, advantages, returns) -> dict:  # update_epochs passes; the mean diagnostics
+        config, batch_size, steps = self.config, self.config.num_envs * self.config.num_steps, []
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch = self.rollout.minibatch(order[start:start + minibatch_size],
-                                                   advantages, returns)
-                stats = self.trainer.gradient_step(minibatch)
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach()
-                count += 1
-            # Early stop (37 details, #12, optional): the policy moved too far from the player.
+            for indices in order.split(batch_size // config.num_minibatches):
+                minibatch = self.rollout.minibatch(indices, advantages, returns)
+                steps.append(self.trainer.gradient_step(minibatch))  # diagnostics, as tensors
+            # Early stop (37 details, #12, optional): the policy moved too far from the data's.
             if (config.target_kl is not None
-                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
+                    and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
-        stats = {key: (value / count).item() for key, value in totals.items()}
-        stats["explained_variance"] = explained_variance(self.rollout.values, returns)
+        stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
+                 for key in steps[0]}  # the only host sync of the update
+        # Explained variance (37 details, #12): 1 - Var[R - V] / Var[R], 1 if V predicts R.
+        variance, unexplained = returns.var().item(), (returns - self.rollout.values).var().item()
+        stats["explained_variance"] = 0.0 if variance == 0 else 1 - unexplained / variance
         return stats
 
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# What follows makes the lesson fast, safe and scalable, and a reader of PPO may stop here: the
-# engines the games run on (guarded Workers, ale-py's C++ vector env), compilation; `Ranks`;
-# `RunGuard` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the
-# checks of the user's input; the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
+# the games run on (guarded Workers, ale-py's C++ vector env) and compilation; `Ranks` (torchrun);
+# `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and
+# video; the input checks; the command line.
 
 import copy
 import datetime
@@ -616,6 +512,7 @@ import multiprocessing.connection
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -624,16 +521,15 @@ from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-
 # ----- Engines: the games, fast and guarded -------------------------------------------------------
 
 
 class GuardedWorker(Worker):
     """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group; the trainer decides how to stop), reports its Games' errors in one line, and
-    closes the copies of the trainer's pipe ends it inherited, so that it exits by itself once the
-    trainer is gone. The trainer waits on the pipe and the process at once: a child that dies is
-    reported at once (WorkerError) instead of blocking `recv()` forever."""
+    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
+    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
+    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
+    instead of blocking `recv()` forever."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
@@ -649,22 +545,20 @@ class GuardedWorker(Worker):
         except (EOFError, BrokenPipeError, KeyboardInterrupt):
             pass  # the trainer is gone or stopping: just exit
         except Exception as error:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("error", f"{type(error).__name__}: {error}"))
-            except (BrokenPipeError, OSError):
-                pass
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
     def send_step(self, actions: np.ndarray):
-        try:
+        with contextlib.suppress(OSError):  # a child that is gone: receive() says how
             super().send_step(actions)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone: receive() finds out how, and says so
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
+        if not ready:
+            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         if self.trainer_end in ready:
             try:
                 status, payload = self.trainer_end.recv()
@@ -674,19 +568,15 @@ class GuardedWorker(Worker):
                 return payload
             if status == "error":
                 raise WorkerError(f"{name} failed: {payload}")
-        if not ready:
-            raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
-        signal_name = signal.Signals(-code).name if code and code < 0 else None
-        how = f"killed by signal {signal_name}" if signal_name else f"exit code {code}"
+        how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+               else f"exit code {code}")
         raise WorkerError(f"{name} died ({how})")
 
     def close(self):
-        try:
+        with contextlib.suppress(OSError):
             self.trainer_end.send(("close", None))
-        except (BrokenPipeError, OSError):
-            pass
         self.trainer_end.close()
         self.process.join(timeout=2.0)
         if self.process.is_alive():
@@ -747,9 +637,8 @@ class Engine:
 
 class WorkerPool(Engine):
     """All the games as Games (`--env-backend game`): num_workers Workers of num_envs / num_workers
-    Games each (one in this process with --num-workers 0). Their observations land in one array
-    (shared memory with child processes), read as a tensor without a copy. Game i is seeded with
-    seeds[i] (consecutive numbers: a worker's first seed + i)."""
+    Games each (one in this process with --num-workers 0), their observations in one array (shared
+    memory with child processes). Game i is seeded with seeds[i] (a worker's first seed + i)."""
 
     def __init__(self, config: Config, seeds: list, device: torch.device):
         self.workers, self.shared_obs = [], None
@@ -773,9 +662,7 @@ class WorkerPool(Engine):
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:
-            # The children have the memory mapped now, so its name is no longer needed: unlinking
-            # it at once means no segment is ever left behind in /dev/shm, however this ends.
+        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
             self.shared_obs.unlink()
 
     def step(self, actions: np.ndarray) -> StepResult:
@@ -803,47 +690,30 @@ class WorkerPool(Engine):
 
 
 class VectorGames(Engine):
-    """All the games at once in ale-py's own vector env, `ale_py.vector_env.AtariVectorEnv`
-    (`--env-backend ale-vector`). The Game is the lesson: each step of the preprocessing in Python
-    you can read. This is the engine: the same preprocessing in C++, the games stepped by a pool of
-    threads inside this process, with no child processes and no pipes.
-
-    It is configured to keep the Game's contract: the same grayscale frames, 4-frame repeat with
-    the max of the last two frames before the 84x84 area resize, a stack of zeros and the first
-    picture at a reset, no-op starts, sticky actions as the env id asks, ALE's 108,000-frame limit
-    as truncation, raw rewards (clipped here, so that the real score can be reported), and a life
-    loss reported as a termination (`life_loss_info`) while the game goes on
-    (`episodic_life=False`).
-    With same-step autoreset, an ended game's next observation is already the new game's first.
-
-    Two things the vector env does not do, it is made to do here:
-    - Serve after a lost life. It presses FIRE only when a game starts, so in Breakout the ball
-      would not come back until the agent learnt to press FIRE, and the waiting steps would earn
-      nothing. The Game serves, as FireResetEnv does; here, in the games that need FIRE, the step
-      after a lost life sends FIRE to the emulator in place of the policy's action. That step is
-      stored and scored with the action the policy sampled, and rightly so: for the game, every
-      action at that state does the same (serve), so the sampled action and its log-probability are
-      still exactly what the policy did there, and its advantage favours no action over another.
-    - Tell game over from a lost life by the emulator's frame counter: `episode_frame_number`
-      goes back when a new game starts. (Comparing lives would read a game that ends with more
-      lives than a new one starts with, after bonus lives, as a lost life.)
-
-    What cannot be made equal (tests/test_atari_game.py steps both with the same actions and
-    checks everything else for equality):
-    - FIRE: the Game presses FIRE then 2 for 4 frames each, out of the agent's sight, at a reset
-      and after the NOOP step that follows a lost life (FireResetEnv); the vector env presses FIRE
-      for one frame at a reset, and here for one agent step after a lost life, a step the agent
-      sees (so a life costs one step more than with the Game).
-    - After a life loss the vector env plays on: no NOOP step, and the frame stack goes on through
-      the loss; the Game takes EpisodicLifeEnv's NOOP step and restarts its stack. So here a stack
-      restarts only when a game ends (`restarted`), and the rollout buffer rebuilds stacks so.
-    - The last observation of a game that ended (`final_obs`) has the same older pictures, but its
-      newest is built from other frames than the Game's (tests: under 5% of its pixels differ; when
-      the repeat is cut short it repeats the picture before). It is read only to bootstrap a game
-      cut by the time limit, at most once per 27,000 steps.
-    - No-op counts are drawn by the vector env's own seeded generator, not the Game's, and points
-      scored during no-ops or FIRE at a reset are not seen (rare; the Game counts them).
-    """
+    """All the games at once in ale-py's vector env, `ale_py.vector_env.AtariVectorEnv`
+    (`--env-backend ale-vector`): the Game's preprocessing in C++, the games stepped by a pool of
+    threads in this process, no child processes, no pipes. It is configured to keep the Game's
+    contract: the same frames, 4-frame repeat with the max of the last two, 84x84 area resize, a
+    stack of zeros and the first picture at a reset, no-op starts, sticky actions as the id asks,
+    ALE's 108,000-frame limit as truncation, raw rewards (clipped here, so that the real score is
+    reported), a life loss as a termination (`life_loss_info`) while the game goes on, and an ended
+    game's next observation already the new game's first (same-step autoreset). Made to do here:
+    - Serve after a lost life (as FireResetEnv): in games that need FIRE, the step after a lost life
+      sends FIRE in place of the policy's action, stored and scored as sampled: at that state every
+      action does the same, so its advantage favours none.
+    - Tell game over from a lost life by the emulator's frame counter, which goes back when a new
+      game starts (lives would read a game that ends with bonus lives as a lost life).
+    What differs from the Game (tests/test_atari_game.py holds everything else equal):
+    - FIRE: the Game presses FIRE then 2 for 4 frames each, unseen, at a reset and after the NOOP
+      step that follows a lost life; the vector env presses FIRE for one frame at a reset, and
+      here for one agent step after a lost life (a life costs one step more).
+    - After a life loss the vector env plays on (no NOOP step) and its frame stack goes on: a stack
+      restarts only when a game ends (`restarted`), and the rollout rebuilds stacks so.
+    - The newest picture of an ended game's `final_obs` comes from other frames than the Game's
+      (tests: under 5% of its pixels differ); it is read only to bootstrap a game cut by the time
+      limit, at most once per 27,000 steps.
+    - No-op counts come from the vector env's own seeded generator, and points scored during
+      no-ops or FIRE at a reset are not seen (rare; the Game counts them)."""
 
     def __init__(self, env_id: str, seeds: list, device: torch.device = torch.device("cpu"),
                  noop_max: int = 30):
@@ -890,26 +760,24 @@ class VectorGames(Engine):
 
     @staticmethod
     def endings(terminated: np.ndarray, episode_frames: np.ndarray, previous_frames: np.ndarray):
-        """(restarted, life_lost), from the flags and the emulator's frame counter of each game:
-        a game that ended (game over, or cut by the frame limit) has already been replaced by a new
-        one, whose counter starts again near 0; a termination in a game that goes on is a lost
-        life."""
+        """(restarted, life_lost): a game that ended (game over, or cut by the frame limit) is
+        already a new one, whose frame counter starts again near 0; a termination in a game that
+        goes on is a lost life."""
         restarted = episode_frames <= previous_frames
         return restarted, terminated & ~restarted
 
     def close(self):
         self.env.close()
 
-
 # ----- Adam and compilation -----------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
     """torch.compile fuses the network's operations into fewer, faster kernels, for the rollout's
-    inference and for the loss (its backward is compiled with it). Compiling the bound methods, not
-    the module, keeps the checkpoint's parameter names as they are. Both are compiled here, on
-    inputs of the sizes they will see, so that a machine that cannot compile falls back to eager at
-    once, with a one-line warning. (The Adam is torch's: compiling imports what it needs anyway.)"""
+    inference and the loss (its backward compiled with it). Compiling the bound methods, not the
+    module, keeps the checkpoint's parameter names. Both are compiled here, on inputs of the sizes
+    they will see, so that a machine that cannot compile falls back to eager at once, with a
+    warning. (The Adam is torch's: compiling imports what it needs anyway.)"""
     model, trainer, config, device = main.model, main.trainer, main.config, main.guard.device
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     eager_forward, eager_loss = model.forward, trainer.compute_loss
@@ -924,7 +792,7 @@ def compile_learner(main: Main):
         with torch.inference_mode():
             model.act(obs)
         with torch.no_grad():
-            model.value(obs)
+            model(obs)
         minibatch_obs = torch.zeros((minibatch_size, *picture), dtype=torch.uint8, device=device)
         # (distinct tensors: the compiled code is specialised to which arguments are the same)
         actions, log_probs, advantages, returns, values = (
@@ -940,11 +808,9 @@ def compile_learner(main: Main):
 
 
 def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
-    """torch's compiler imports torch.utils.cpp_extension, which warns "No CUDA runtime is found,
-    using CUDA_HOME=..." on a machine with CUDA's compiler installed but no GPU: a CPU run then
-    reads as if something were wrong. A filter on that logger drops this one message."""
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
+    loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
 
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
@@ -957,21 +823,18 @@ class Ranks:
     """The processes ("ranks") of a run started by torchrun, and the few things they do together.
 
     torchrun starts N copies of this script and tells each its rank (RANK, WORLD_SIZE, LOCAL_RANK).
-    This is data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs
-    games (env i of rank r gets seed + r * num_envs + i) and splits its own rollout into
-    minibatches, but the ranks average their gradients before each step, so all take the same step
-    and hold the same weights. --total-timesteps, the learning-rate schedule and --checkpoint-every
-    count the steps of all ranks; divide --num-envs by N to keep a 1-GPU run's hyperparameters
-    (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no rank
-    waits in a collective the others skipped; rank 0 writes the files. Without torchrun it is a
-    world of one, and every method returns at once.
-    """
+    Data parallelism, as in CleanRL's multi-GPU PPO: each rank plays its own --num-envs games (env
+    i of rank r gets seed + r * num_envs + i) and splits its own rollout into minibatches, but the
+    ranks average their gradients before each step, so all hold the same weights.
+    --total-timesteps, the learning-rate schedule and --checkpoint-every count the steps of all
+    ranks (README, "torchrun"). Every decision to stop is taken from values all ranks share, so no
+    rank waits in a collective the others skipped; rank 0 writes the files. Without torchrun: a
+    world of one, and every method returns at once."""
 
     def __init__(self, device: torch.device):
         self.distributed = "WORLD_SIZE" in os.environ  # set by torchrun
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        self.device = device
+        self.rank, self.device = int(os.environ.get("RANK", 0)), device
         if not self.distributed:
             return
         if device.type == "cuda":  # one GPU per rank: the LOCAL_RANK-th of its machine
@@ -1029,18 +892,16 @@ class Ranks:
 
     def from_rank_0(self, make):
         """make() run on rank 0 only; its result, or the UsageError it raised, on every rank."""
-        if not self.distributed:
-            return make()
-        result = [None]
+        result = None
         if self.rank == 0:
             try:
-                result[0] = make()
+                result = make()
             except UsageError as error:
-                result[0] = error
-        self.collective(dist.broadcast_object_list, result, 0)
-        if isinstance(result[0], UsageError):
-            raise result[0]
-        return result[0]
+                result = error
+        result = self.gather(result)[0]
+        if isinstance(result, UsageError):
+            raise result
+        return result
 
     def copy_from_rank_0(self, tensors):
         """Overwrite the tensors (the initial weights) with rank 0's."""
@@ -1054,17 +915,20 @@ class Ranks:
             return
         digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
         digests = self.gather(digest.hexdigest())
-        differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
+        differ = [str(rank) for rank, other in enumerate(digests) if other != digests[0]]
         if differ:
-            raise RankError(f"the weights of rank {', '.join(map(str, differ))} differ from rank "
-                            f"0's at the end of the run")
+            raise RankError(f"the weights of rank {', '.join(differ)} differ from rank 0's at "
+                            f"the end of the run")
 
     def close(self):
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-
 # ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the command line prints its message on one line, exit status 2."""
 
 
 class WorkerError(RuntimeError):
@@ -1093,11 +957,7 @@ class RunGuard:
         self.main, self.stop_signal, self.previous_handlers = main, None, {}
         self.ranks = self.games = self.log = self.summary = None
 
-    @property
-    def config(self) -> Config:
-        """The run's settings, held by Main (the checkpoint's when resuming, with the run dir)."""
-        return self.main.config
-
+    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
@@ -1126,9 +986,8 @@ class RunGuard:
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Reproducibility: every random draw of the trainer comes from torch's seeded generator
-        # (action sampling, minibatch shuffling), and each game from its own seeded generator.
-        # Under torchrun, rank r seeds with seed + r, so that its draws are its own.
+        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
+        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
@@ -1170,10 +1029,9 @@ class RunGuard:
         return self.ranks.mean([value])[0]
 
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
-        Under torchrun the ranks meet here once per rollout: each learns every rank's episodes, in
-        the same order (by step, then rank), and whether any was asked to stop, so all take the
-        same decisions."""
+        """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
+        torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
+        same order (by step, then rank), and whether any was asked to stop."""
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1246,11 +1104,17 @@ class RunLog:
         self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
         self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
-        self.last_print = 0.0
-        self.writer = make_writer(guard.run_dir, guard.config) if guard.ranks.rank == 0 else None
+        self.last_print, self.writer = 0.0, None
+        if guard.ranks.rank == 0:  # rank 0 speaks for all; TensorBoard shows the settings too
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(guard.run_dir))
+            rows = "\n".join(f"|{key}|{value}|" for key, value in
+                             dataclasses.asdict(guard.config).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
 
     def say(self, line: str):
-        if self.writer is not None:  # rank 0 speaks for all
+        if self.writer is not None:
             print(line, flush=True)
 
     def start(self):
@@ -1336,7 +1200,7 @@ class RunLog:
 
     def finish(self, interrupted: bool, failed: bool) -> dict:
         """Write summary.json, print the last progress line (once) and how the run ended."""
-        guard, config, step, speed = self.guard, self.guard.config, self.main.global_step, None
+        guard, config, step = self.guard, self.guard.config, self.main.global_step
         speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
             "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
@@ -1367,17 +1231,6 @@ class RunLog:
             self.say(f"{how} after {after}; checkpoint {summary['checkpoint']}, summary {path}"
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
-
-
-def make_writer(run_dir: Path, config: Config):
-    """TensorBoard writer, with the hyperparameters as a text table."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir))
-    rows = "\n".join(f"|{key}|{value}|" for key, value in dataclasses.asdict(config).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    return writer
-
 
 # ----- Checkpoints --------------------------------------------------------------------------------
 
@@ -1410,10 +1263,9 @@ def restore_learner(main: Main, state: dict):
 
 
 def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float) -> tuple:
-    """Where a resumed run anneals the learning rate from, as (step, rate). With the checkpoint's
-    total and rate the schedule goes on as saved; with another --total-timesteps it anneals from
-    `rate` (that of the last update before the checkpoint) to 0 over the steps left, so that it
-    never jumps; a new --learning-rate starts there."""
+    """Where a resumed run anneals the learning rate from, as (step, rate): as saved with the
+    checkpoint's total and rate; with another --total-timesteps from `rate` (the last update's) to 0
+    over the steps left, so that it never jumps; a new --learning-rate starts there."""
     saved = checkpoint["config"]
     if config.learning_rate != saved["learning_rate"]:
         return step, config.learning_rate
@@ -1424,8 +1276,7 @@ def continued_schedule(checkpoint: dict, config: Config, step: int, rate: float)
 
 def save_checkpoint(state: dict, path: Path, ranks: Ranks):
     """Write to a temporary file, then rename: a crash or a full disk never leaves half a
-    checkpoint, and a failed write keeps the previous one. Under torchrun, rank 0 writes (all hold
-    the same learner)."""
+    checkpoint, and a failed write keeps the previous one. Rank 0 writes (all hold the same)."""
     if ranks.rank != 0:
         return
     temporary = path.with_suffix(".tmp")
@@ -1441,13 +1292,11 @@ def save_checkpoint(state: dict, path: Path, ranks: Ranks):
 
 def find_checkpoint(path: str) -> Path:
     """--resume and --eval take a checkpoint file or the run folder that holds checkpoint.pt."""
-    if Path(path).is_dir():
-        if not (Path(path) / "checkpoint.pt").is_file():
-            raise UsageError(f"run folder {path} holds no checkpoint.pt")
-        return Path(path) / "checkpoint.pt"
-    if not Path(path).is_file():
-        raise UsageError(f"checkpoint {path} not found")
-    return Path(path)
+    found = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
+    if not found.is_file():
+        raise UsageError(f"run folder {path} holds no checkpoint.pt" if Path(path).is_dir()
+                         else f"checkpoint {path} not found")
+    return found
 
 
 def load_checkpoint(path: str) -> dict:
@@ -1463,13 +1312,12 @@ def load_checkpoint(path: str) -> dict:
     if checkpoint["script"] != SCRIPT:
         raise UsageError(f"{path} was written by {checkpoint['script']}.py, not {SCRIPT}.py: "
                          f"use that script")
-    checkpoint["path"] = str(path)
-    return checkpoint
+    return {**checkpoint, "path": str(path)}
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given
-    differently from their defaults now (e.g. a new --total-timesteps). The run dir is the
+    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
+    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
     checkpoint's folder unless given. A different env is refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
@@ -1481,7 +1329,6 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
                              f"{saved.get(name)}, not {changed[name]}")
     return Config(**{**saved, **changed})
-
 
 # ----- Evaluation and video -----------------------------------------------------------------------
 
@@ -1496,15 +1343,12 @@ def evaluate_checkpoint(given: Config) -> dict:
     model = Model(inspect_env(config.env), bfloat16=config.precision == "bfloat16")
     model.load_state_dict(checkpoint["model"])
     torch.manual_seed(config.seed)
-    run_dir = Path(config.run_dir)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
-    video = None
-    obs = game.reset()
-    returns = []
+    video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
     try:
         while len(returns) < config.eval_episodes:
             if config.video:
-                video = write_frame(video, game, run_dir / "eval.mp4")
+                video = write_frame(video, game, path)
             actions, _, _ = model.act(torch.from_numpy(obs)[None], greedy=config.greedy)
             obs, _, _, _, info = game.step(actions.item())
             if "episode" in info:
@@ -1518,15 +1362,15 @@ def evaluate_checkpoint(given: Config) -> dict:
     episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
     print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
     if video is not None:
-        print(f"video: {run_dir / 'eval.mp4'}")
+        print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
             "std_return": std, "returns": returns, "greedy": config.greedy,
-            "video": str(run_dir / "eval.mp4") if video is not None else None}
+            "video": str(path) if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
-    """Append the game's current picture (in colour) to the mp4 (OpenCV's VideoWriter, opened at
-    the first frame). One picture per agent step: the video plays at real speed."""
+    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame); one
+    picture per agent step, so that the video plays at real speed."""
     frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1538,25 +1382,24 @@ def write_frame(video, game: Game, path: Path):
     video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
     return video
 
-
 # ----- Checking the input -------------------------------------------------------------------------
 
 
-RANGES = {"> 0": lambda x: x > 0, ">= 0": lambda x: x >= 0,
-          "(0, 1]": lambda x: 0 < x <= 1, "[0, 1]": lambda x: 0 <= x <= 1}
+RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
+          "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
+          "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, with one line that says what to change: a number outside
+    """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
     for f in dataclasses.fields(Config):
-        value, rule, flag = getattr(config, f.name), f.metadata["check"], f"--{f.name}"
-        flag = flag.replace("_", "-")
+        value, rule = getattr(config, f.name), f.metadata["check"]
+        flag = "--" + f.name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number, not {value}")
-        if rule is not None and value is not None and not RANGES[rule](value):
-            wanted = {"> 0": "positive", ">= 0": "0 or more"}.get(rule, f"in {rule}")
-            raise UsageError(f"{flag} must be {wanted}, not {value}")
+        if rule is not None and value is not None and not RANGES[rule][0](value):
+            raise UsageError(f"{flag} must be {RANGES[rule][1]}, not {value}")
     for name, choices in (("compile_mode", ("default", "reduce-overhead", "max-autotune")),
                           ("precision", ("float32", "bfloat16")),
                           ("env_backend", ("game", "ale-vector"))):
@@ -1612,8 +1455,8 @@ def pick_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise UsageError(f"unknown --device {name!r}: use auto, cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but torch sees no CUDA device here: use --device cpu")
@@ -1639,14 +1482,12 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
             path.unlink()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        (run_dir / ".write-test").write_text("")
+        (run_dir / ".write-test").unlink()
     except OSError as error:
-        reason = error.strerror or error
-        raise UsageError(f"cannot write to --run-dir {run_dir}: {reason}") from None
+        raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}"
+                         ) from None
     return run_dir
-
 
 # ----- The command line ---------------------------------------------------------------------------
 
