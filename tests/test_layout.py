@@ -11,12 +11,16 @@ from conftest import ROOT
 SCRIPTS = ["ppo_atari.py", "ppo_cartpole.py", "ppo_continuous.py", "ppo_memory.py",
            "ppo_multiagent.py"]
 BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
-# The lesson's measures, as reached (2026-11-24). The aim was 500 lines (600 for ppo_memory.py)
-# and 1,250 for a file; benchmarks/README.md, "The lesson's measures", says what each part costs.
-# These limits keep a lesson from growing back.
-LESSON_LINES = {"ppo_atari.py": 602, "ppo_cartpole.py": 574, "ppo_continuous.py": 601,
-                "ppo_memory.py": 833, "ppo_multiagent.py": 600}
-FILE_LINES = 1900
+# The lesson's measures (GUIDE.md, section 1): a lesson of at most 500 lines, 600 for ppo_memory.py,
+# which holds 738 (2026-11-25): its memory ideas add ~225 lines to a PPO lesson of ~500, and every
+# one of them belongs above the banner. A file's limit is the size reached: the machinery's code
+# and blank lines alone, with no docstring or comment at all, are 870-1,020 lines in every file,
+# more than the 750 that a 1,250-line file leaves below a 500-line lesson (benchmarks/README.md,
+# "The lesson's measures"). These limits keep a lesson, and a file, from growing back.
+LESSON_LINES = {"ppo_atari.py": 500, "ppo_cartpole.py": 500, "ppo_continuous.py": 500,
+                "ppo_memory.py": 738, "ppo_multiagent.py": 500}
+FILE_LINES = {"ppo_atari.py": 1514, "ppo_cartpole.py": 1527, "ppo_continuous.py": 1645,
+              "ppo_memory.py": 1743, "ppo_multiagent.py": 1601}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 3
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",
@@ -60,7 +64,7 @@ def test_the_lesson_measures(script):
     source, tree = parsed(script)
     banner = banner_line(source)
     assert banner - 1 <= LESSON_LINES[script]
-    assert len(source.splitlines()) <= FILE_LINES
+    assert len(source.splitlines()) <= FILE_LINES[script]
     lengths = {name: node.end_lineno - node.lineno + 1 for name, node in top_level(tree).items()}
     assert {name: n for name, n in lengths.items() if n > LONGEST_DEFINITION} == {}
     below = {node.name for node in tree.body if node.lineno > banner
