@@ -1,0 +1,168 @@
+"""Small envs of nested spaces for tests/test_spaces.py, registered on import. A command line reaches
+them as `--env spaces_envs:TestHybrid-v0` with tests/ on PYTHONPATH."""
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class HybridEnv(gym.Env):
+    """One step: see a mode (one of 3) and a target in [-1, 1]; act with a Dict of a choice and a
+    parameter. Reward: 1 - |parameter - target| if the choice is the mode, else 0. The optimum is 1
+    (choose the mode, set the parameter to the target); a random policy gets about 0.11."""
+
+    observation_space = spaces.Dict({"mode": spaces.Discrete(3),
+                                     "target": spaces.Box(-1, 1, (1,), np.float32)})
+    action_space = spaces.Dict({"choice": spaces.Discrete(3),
+                                "parameter": spaces.Box(-1, 1, (1,), np.float32)})
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.mode = int(self.np_random.integers(3))
+        self.target = self.np_random.uniform(-1, 1, (1,)).astype(np.float32)
+        return {"mode": self.mode, "target": self.target}, {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), action
+        right = int(action["choice"]) == self.mode
+        reward = float(right) * (1.0 - abs(float(action["parameter"][0]) - float(self.target[0])))
+        return {"mode": self.mode, "target": self.target.copy()}, reward, True, False, {}
+
+
+class ForbiddenMoveError(RuntimeError):
+    """A masked env was sent an action its mask forbade."""
+
+
+class ObservedMaskEnv(gym.Env):
+    """PettingZoo's convention: the observation is a Dict of the observation and an "action_mask".
+    Each step allows a random non-empty set of the 4 actions; a forbidden one raises. Reward 1 for
+    the highest allowed action, else 0 (the observation shows the mask again as numbers)."""
+
+    observation_space = spaces.Dict({"observation": spaces.Box(0, 1, (4,), np.float32),
+                                     "action_mask": spaces.MultiBinary(4)})
+    action_space = spaces.Discrete(4)
+
+    def draw(self):
+        self.mask = np.zeros(4, np.int8)
+        self.mask[self.np_random.choice(4, size=int(self.np_random.integers(1, 4)), replace=False)] = 1
+        return {"observation": self.mask.astype(np.float32), "action_mask": self.mask.copy()}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.draw(), {}
+
+    def step(self, action):
+        if not self.mask[action]:
+            raise ForbiddenMoveError(f"action {action} is forbidden by the mask {self.mask}")
+        reward = float(action == np.flatnonzero(self.mask).max())
+        return self.draw(), reward, False, False, {}
+
+
+class InfoMaskEnv(gym.Env):
+    """gymnasium's convention (as Taxi-v3): the mask is in `info`, here for a MultiDiscrete([3, 2])
+    action (3 + 2 entries) and a Tuple observation of a Discrete and a Box. A forbidden choice
+    raises. Reward: 1 when both choices are the first allowed ones."""
+
+    observation_space = spaces.Tuple((spaces.Discrete(4, start=1), spaces.Box(-1, 1, (2,), np.float32)))
+    action_space = spaces.MultiDiscrete([3, 2])
+
+    def draw(self):
+        self.mask = np.zeros(5, np.int8)
+        self.mask[self.np_random.choice(3, size=int(self.np_random.integers(1, 3)), replace=False)] = 1
+        self.mask[3 + int(self.np_random.integers(2))] = 1
+        obs = (int(self.np_random.integers(1, 5)), self.np_random.uniform(-1, 1, 2).astype(np.float32))
+        return obs, {"action_mask": self.mask.copy()}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.draw()
+
+    def step(self, action):
+        if not (self.mask[action[0]] and self.mask[3 + action[1]]):
+            raise ForbiddenMoveError(f"action {action} is forbidden by the mask {self.mask}")
+        reward = float(action[0] == np.flatnonzero(self.mask[:3])[0])
+        obs, info = self.draw()
+        return obs, reward, False, False, info
+
+
+class GridEnv(gym.Env):
+    """MiniGrid's observation without MiniGrid: a Dict of a 7x7x3 uint8 image, a direction and a
+    Text mission (which the script leaves out). The lit cell of the image says which of 3 actions
+    pays 1; 5 steps an episode (a time limit)."""
+
+    observation_space = spaces.Dict({"image": spaces.Box(0, 255, (7, 7, 3), np.uint8),
+                                     "direction": spaces.Discrete(4),
+                                     "mission": spaces.Text(20, charset="abcdefghijklmnopqrstuvwxyz ")})
+    action_space = spaces.Discrete(3)
+
+    def draw(self):
+        self.goal = int(self.np_random.integers(3))
+        image = np.zeros((7, 7, 3), np.uint8)
+        image[self.goal, self.goal] = 255
+        return {"image": image, "direction": int(self.np_random.integers(4)), "mission": "find it"}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.draw(), {}
+
+    def step(self, action):
+        reward = float(action == self.goal)
+        return self.draw(), reward, False, False, {}
+
+
+class FlawedEnv(gym.Env):
+    """An env that breaks its own declared spaces at its third step, as `flaw` says: "dtype" (a
+    float64 position), "shape", "key" (the Dict without "count"), "bounds" (count 5 of Discrete(3))
+    or "reward" (NaN)."""
+
+    observation_space = spaces.Dict({"count": spaces.Discrete(3),
+                                     "position": spaces.Box(-1, 1, (2,), np.float32)})
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, flaw: str):
+        self.flaw, self.t = flaw, 0
+
+    def observation(self):
+        obs = {"count": self.t % 3, "position": np.zeros(2, np.float32)}
+        if self.t >= 3:
+            if self.flaw == "dtype":
+                obs["position"] = np.zeros(2, np.float64)
+            elif self.flaw == "shape":
+                obs["position"] = np.zeros(3, np.float32)
+            elif self.flaw == "key":
+                del obs["count"]
+            elif self.flaw == "bounds":
+                obs["count"] = 5
+        return obs
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observation(), {}
+
+    def step(self, action):
+        self.t += 1
+        reward = float("nan") if self.flaw == "reward" and self.t >= 3 else 0.0
+        return self.observation(), reward, False, False, {}
+
+
+class WrongMaskEnv(InfoMaskEnv):
+    """Its 5-entry mask cannot cover a MultiDiscrete([3, 3]) action's 6 choices."""
+
+    action_space = spaces.MultiDiscrete([3, 3])
+
+
+class TextActionEnv(HybridEnv):
+    """Acts with text: no script of the library handles that."""
+
+    action_space = spaces.Text(5)
+
+
+gym.register("TestHybrid-v0", entry_point=HybridEnv)
+gym.register("TestObservedMask-v0", entry_point=ObservedMaskEnv, max_episode_steps=10)
+gym.register("TestInfoMask-v0", entry_point=InfoMaskEnv, max_episode_steps=10)
+gym.register("TestGrid-v0", entry_point=GridEnv, max_episode_steps=5)
+gym.register("TestWrongMask-v0", entry_point=WrongMaskEnv, max_episode_steps=10)
+gym.register("TestTextAction-v0", entry_point=TextActionEnv)
+for flaw in ("dtype", "shape", "key", "bounds", "reward"):
+    gym.register(f"TestFlawed{flaw.title()}-v0", entry_point=FlawedEnv, kwargs={"flaw": flaw},
+                 max_episode_steps=20)

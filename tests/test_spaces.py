@@ -1,0 +1,457 @@
+"""ppo_spaces.py: nests of observation and action spaces, action masks, the spec check of a user's env;
+its pieces against reference values, its runs through the command line, and one learning check."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+import ppo_spaces as ps
+import spaces_envs
+from conftest import ROOT, children, wait_until_gone
+
+ENVIRON = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+# Small runs of Taxi-v4 (the default env, masks in info): 4 games x 32 steps = 128 steps per update.
+SMALL = ["--num-envs", 4, "--num-steps", 32, "--num-minibatches", 2, "--device", "cpu"]
+
+
+def run_script(*args, timeout=120):
+    return subprocess.run([sys.executable, "ppo_spaces.py", *map(str, args)], cwd=ROOT, env=ENVIRON,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(result):
+    """The one line of a refusal: exit status 2, stderr one line starting with "error: "."""
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, (result.stdout[-2000:], lines[-20:])
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines[-20:]
+    return lines[0]
+
+
+def small_config(tmp_path, **settings):
+    return ps.Config(**{"num_envs": 4, "num_steps": 16, "num_minibatches": 2, "total_timesteps": 128,
+                        "device": "cpu", "run_dir": str(tmp_path / "run"), **settings})
+
+
+def observation_of(values: list, mask=()):
+    """A flat observation as a Game makes it: the observed leaves' numbers in turn, then the mask."""
+    parts = [np.asarray(value, np.float32).reshape(-1) for value in values] + [np.asarray(mask, np.float32)]
+    return torch.from_numpy(np.concatenate(parts))[None]
+
+
+# ----- leaves and nests ----------------------------------------------------------------------------
+
+
+def test_leaves_are_listed_depth_first_and_nest_of_rebuilds_the_nest():
+    space = spaces.Dict({"a": spaces.Tuple((spaces.Discrete(2), spaces.Dict({"b": spaces.Box(0, 1, (2,))}))),
+                         "c": spaces.MultiBinary(3)})
+    paths = [path for path, _ in ps.leaves(space)]
+    assert paths == [("a", 0), ("a", 1, "b"), ("c",)]
+    nest = ps.nest_of(space, iter([1, "box", "bits"]))
+    assert nest == {"a": (1, {"b": "box"}), "c": "bits"}
+    assert ps.leaves(spaces.Discrete(3)) == [((), spaces.Discrete(3))]
+
+
+def test_a_game_flattens_observations_with_the_mask_last_and_builds_the_env_s_action_nest():
+    game = ps.Game("TestInfoMask-v0", seed=3)
+    obs = game.reset()
+    raw = game.env.unwrapped
+    assert obs.dtype == np.float32 and obs.shape == (1 + 2 + 5,) and game.mask_size == 5
+    assert obs[-5:].tolist() == raw.mask.tolist()  # the mask from info, in the last columns
+    assert 1 <= obs[0] <= 4  # the Discrete(4, start=1) as its value: the Encoder subtracts the start
+    action = game.env_action(np.array([2.0, 1.0], np.float32))
+    assert action.dtype == np.int64 and action.tolist() == [2, 1]
+    hybrid = ps.Game("TestHybrid-v0", seed=1)
+    hybrid.reset()
+    nest = hybrid.env_action(np.array([2.0, 3.5], np.float32))  # a parameter beyond its bound
+    assert int(nest["choice"]) == 2 and nest["parameter"].tolist() == [1.0]  # sent clipped
+    assert hybrid.env.action_space.contains(nest)
+
+
+# ----- encoders ------------------------------------------------------------------------------------
+
+
+def test_one_hot_encodes_each_dimension_counting_from_the_space_s_start():
+    encoder = ps.OneHot(spaces.Discrete(5, start=2))
+    assert encoder(torch.tensor([[4.0], [2.0]])).tolist() == [[0, 0, 1, 0, 0], [1, 0, 0, 0, 0]]
+    multi = ps.OneHot(spaces.MultiDiscrete([3, 2], start=[1, 0]))
+    assert multi.features == 5
+    assert multi(torch.tensor([[3.0, 0.0]])).tolist() == [[0, 0, 1, 1, 0]]
+
+
+@pytest.mark.parametrize("shape,flat_features", [
+    ((7, 7, 3), 64 * 1 * 1),  # MiniGrid: 7 -> 5 -> 3 -> 1, stride 1
+    ((3, 7, 7), 64 * 1 * 1),
+    ((84, 84, 3), 64 * 9 * 9),  # 84 -> 41 -> 20 -> 9, stride 2
+    ((4, 64, 64), 64 * 13 * 13),  # 64 -> 31 -> 15 (stride 2), then 15 -> 13 (stride 1)
+    ((10, 12), 64 * 4 * 6),  # one channel: 10x12 -> 8x10 -> 6x8 -> 4x6
+    ((2, 2, 3), 3 * 2 * 2),  # too small for a 3x3 convolution: the pixels themselves
+])
+def test_the_cnn_is_sized_to_the_image(shape, flat_features):
+    encoder = ps.ImageEncoder(shape, hidden_size=32)
+    linear = [module for module in encoder.cnn if isinstance(module, torch.nn.Linear)][0]
+    assert linear.in_features == flat_features
+    pixels = torch.randint(0, 256, (5, int(np.prod(shape))), dtype=torch.uint8).float()
+    assert encoder(pixels).shape == (5, 32)
+
+
+def test_an_hwc_image_and_its_chw_transpose_give_the_same_features():
+    hwc, chw = ps.ImageEncoder((7, 7, 3), 16), ps.ImageEncoder((3, 7, 7), 16)
+    chw.load_state_dict(hwc.state_dict())
+    image = torch.randint(0, 256, (2, 7, 7, 3)).float()
+    assert torch.allclose(hwc(image.reshape(2, -1)), chw(image.permute(0, 3, 1, 2).reshape(2, -1)), atol=1e-6)
+
+
+def test_the_encoder_reads_each_leaf_by_its_kind_and_leaves_text_out():
+    obs_space = spaces.Dict({"image": spaces.Box(0, 255, (7, 7, 3), np.uint8), "direction": spaces.Discrete(4),
+                             "position": spaces.Box(-5, 5, (3,), np.float32), "bits": spaces.MultiBinary(2),
+                             "mission": spaces.Text(10)})
+    encoder = ps.Encoder(obs_space, hidden_size=16)
+    observed = ps.observed_leaves(obs_space)
+    assert [path for path, _ in observed] == [p for p, s in ps.leaves(obs_space) if p != ("mission",)]
+    sizes = {path[0]: size for (path, _), size in zip(observed, encoder.sizes)}
+    assert sizes == {"image": 147, "direction": 1, "position": 3, "bits": 2}
+    assert encoder.features == 16 + 4 + 3 + 2
+    start = sum(encoder.sizes[:[path for path, _ in observed].index(("position",))])
+    assert encoder.vector_columns == [start, start + 1, start + 2]  # only the Box vector is normalised
+    values = {"image": np.zeros((7, 7, 3)), "direction": 2, "position": [1, 2, 3], "bits": [1, 0]}
+    features = encoder(observation_of([values[path[0]] for path, _ in observed]))[0]
+    assert features.shape == (encoder.features,)
+    expected = {"direction": [0, 0, 1, 0], "position": [1, 2, 3], "bits": [1, 0]}
+    at = 0  # the features follow the leaves' order
+    for path, _ in observed:
+        width = 16 if path == ("image",) else len(expected[path[0]])
+        if path != ("image",):
+            assert features[at:at + width].tolist() == expected[path[0]], path
+        at += width
+
+
+# ----- the policy: heads per leaf, sums over leaves, masks -----------------------------------------
+
+OBS_SPACE = spaces.Box(-1, 1, (3,), np.float32)
+ACTION_SPACE = spaces.Dict({"a": spaces.Discrete(3), "b": spaces.MultiDiscrete([2, 4]), "c": spaces.MultiBinary(2),
+                            "d": spaces.Box(-1, 1, (2,), np.float32)})
+
+
+def reference_distributions(model, obs):
+    """The policy's leaves rebuilt with torch.distributions, by hand from the actor's outputs."""
+    outputs = dict(zip(model.names, model.actor(model.encoder(obs)).split([h.size for h in model.heads], -1)))
+    b = outputs["b"].view(-1, 2, 4)
+    c = outputs["c"].view(-1, 2, 2)
+    std = model.heads[model.names.index("d")].log_std.exp()
+    return {"a": [torch.distributions.Categorical(logits=outputs["a"])],
+            "b": [torch.distributions.Categorical(logits=b[:, 0, :2]),
+                  torch.distributions.Categorical(logits=b[:, 1, :4])],
+            "c": [torch.distributions.Categorical(logits=c[:, 0]), torch.distributions.Categorical(logits=c[:, 1])],
+            "d": [torch.distributions.Normal(outputs["d"][:, 0], std[0]),
+                  torch.distributions.Normal(outputs["d"][:, 1], std[1])]}
+
+
+def test_log_probability_and_entropy_of_a_nested_action_are_the_sums_over_its_leaves():
+    torch.manual_seed(0)
+    model = ps.Model(OBS_SPACE, ACTION_SPACE, hidden_size=8)
+    with torch.no_grad():
+        model.heads[model.names.index("d")].log_std.copy_(torch.tensor([-0.5, 0.3]))
+        for parameter in model.actor.parameters():  # away from the near-uniform start
+            parameter.mul_(20)
+    obs = torch.rand(6, 3) * 2 - 1
+    with torch.no_grad():
+        actions, act_log_prob, _ = model.act(obs)
+        log_prob, entropy, _ = model.evaluate_actions(obs, actions)
+        reference = reference_distributions(model, obs)
+    assert set(actions) == {"a", "b", "c", "d"}
+    assert [actions[name].shape[1] for name in "abcd"] == [1, 2, 2, 2]
+    assert actions["a"].dtype == torch.long and actions["d"].dtype == torch.float32
+    expected_log_prob = sum(d.log_prob(actions[name][:, i]) for name, ds in reference.items()
+                            for i, d in enumerate(ds))
+    expected_entropy = sum(d.entropy() for ds in reference.values() for d in ds)
+    assert torch.allclose(log_prob, expected_log_prob, atol=1e-5)
+    assert torch.allclose(act_log_prob, expected_log_prob, atol=1e-5)
+    assert torch.allclose(entropy, expected_entropy, atol=1e-5)
+    assert actions["b"][:, 0].max() <= 1  # a padded choice of the 2-choice dimension never comes
+
+
+def test_greedy_takes_the_most_likely_choice_and_the_gaussian_mean():
+    torch.manual_seed(1)
+    model = ps.Model(OBS_SPACE, ACTION_SPACE, hidden_size=8)
+    obs = torch.rand(4, 3)
+    with torch.no_grad():
+        actions, _, _ = model.act(obs, greedy=True)
+        reference = reference_distributions(model, obs)
+    assert torch.equal(actions["a"][:, 0], reference["a"][0].probs.argmax(-1))
+    assert torch.allclose(actions["d"][:, 1], reference["d"][1].mean)
+
+
+MASKED_OBS = spaces.Dict({"observation": spaces.Box(0, 1, (2,), np.float32), "action_mask": spaces.MultiBinary(7)})
+MASKED_ACTIONS = spaces.Tuple((spaces.Discrete(4), spaces.MultiDiscrete([2, 1]), spaces.Box(-1, 1, (1,))))
+
+
+def test_a_masked_choice_is_never_sampled_and_the_entropy_is_over_the_allowed_ones():
+    torch.manual_seed(2)
+    mask = [1, 0, 1, 0, 0, 1, 1]  # Discrete(4): 0 and 2 allowed; MultiDiscrete: 1 of 2, the only 1
+    obs = observation_of([[0.5, 0.5]], mask).expand(3000, -1)
+    masked = ps.Model(MASKED_OBS, MASKED_ACTIONS, hidden_size=8, masked=True)
+    assert masked.mask_size == 4 + 3
+    with torch.no_grad():
+        actions, log_prob, _ = masked.act(obs)
+        _, entropy, _ = masked.evaluate_actions(obs, actions)
+        output = masked.actor(masked.encoder(obs[:1]))[0]
+    assert set(actions["0"][:, 0].tolist()) == {0, 2}
+    assert set(actions["1"][:, 0].tolist()) == {1} and set(actions["1"][:, 1].tolist()) == {0}
+    allowed = torch.distributions.Categorical(logits=output[[0, 2]])
+    gaussian = torch.distributions.Normal(torch.zeros(1), masked.heads[2].log_std.exp())
+    assert torch.allclose(entropy[0], allowed.entropy() + gaussian.entropy().sum(), atol=1e-5)
+    # Without the mask the same network samples every choice: the check above can fail.
+    unmasked = ps.Model(MASKED_OBS, MASKED_ACTIONS, hidden_size=8, masked=False)
+    unmasked.load_state_dict(masked.state_dict())
+    with torch.no_grad():
+        free, _, _ = unmasked.act(obs)
+    assert set(free["0"][:, 0].tolist()) == {0, 1, 2, 3}
+
+
+def test_the_ratio_is_1_before_the_first_gradient_step_with_masks_that_change_every_step(tmp_path, monkeypatch):
+    ratios = []
+    ppo_loss = ps.Trainer.ppo_loss
+
+    def recording(minibatch, new_log_probs, entropy, new_values, config):
+        ratios.append((new_log_probs - minibatch.old_log_probs).exp().detach())
+        return ppo_loss(minibatch, new_log_probs, entropy, new_values, config)
+
+    monkeypatch.setattr(ps.Trainer, "ppo_loss", staticmethod(recording))
+    for env in ("TestObservedMask-v0", "TestInfoMask-v0"):
+        ratios.clear()
+        ps.Main(small_config(tmp_path / env, env=env, update_epochs=2, num_minibatches=1)).run()
+        assert torch.allclose(ratios[0], torch.ones_like(ratios[0]), atol=1e-5), env  # the first step
+        assert not torch.allclose(ratios[-1], torch.ones_like(ratios[-1]), atol=1e-5)  # it learned after
+
+
+def test_a_truncated_episode_is_bootstrapped_from_its_final_observation_and_a_terminated_one_is_not(
+        tmp_path, monkeypatch):
+    # TestCount-v0 (tests/conftest.py) is truncated after 3 steps, when its observation is [3].
+    main = ps.Main(small_config(tmp_path / "count", env="TestCount-v0", num_envs=2, num_steps=7,
+                                total_timesteps=14, num_minibatches=1, update_epochs=1,
+                                normalize_observations=False))
+    calls, value = [], ps.Model.value
+
+    def value_recording(model, obs):
+        values = value(model, obs)
+        calls.append((obs.tolist(), values.tolist()))
+        return values
+
+    monkeypatch.setattr(ps.Model, "value", value_recording)
+    main.run()
+    assert main.rollout.dones[:, 0].tolist() == [0, 0, 1, 0, 0, 1, 0]
+    # Both envs end together: each bootstrap is one call with both final observations [3] (which the
+    # policy itself never sees: a game restarts at once); the last call is GAE's last value.
+    assert [obs for obs, _ in calls[:-1]] == [[[3.0], [3.0]]] * 2
+    first, second, gamma = calls[0][1][0], calls[1][1][0], main.config.gamma
+    assert main.rollout.rewards[:, 0].tolist() == pytest.approx([1, 1, 1 + gamma * first, 1, 1, 1 + gamma * second, 1])
+    # TestHybrid-v0 terminates every step: no value is asked for but GAE's last one, nothing bootstrapped.
+    hybrid = ps.Main(small_config(tmp_path / "hybrid", env="TestHybrid-v0", total_timesteps=64))
+    calls.clear()
+    hybrid.run()
+    assert hybrid.rollout.dones.eq(1).all() and len(calls) == 1
+
+
+# ----- the spec check --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flaw,problem", [
+    ("dtype", "step 3's observation['position'] has dtype float64, not float32"),
+    ("shape", "step 3's observation['position'] has shape (3,), not (2,)"),
+    ("key", "step 3's observation has the keys ['position'], not the keys ['count', 'position']"),
+    ("bounds", "step 3's observation['count'] = 5 is outside Discrete(3)"),
+    ("reward", "step 3's reward is nan, not a finite number"),
+])
+def test_the_spec_check_names_the_first_mismatch(flaw, problem):
+    env_id = f"TestFlawed{flaw.title()}-v0"
+    with pytest.raises(ps.UsageError) as refused:
+        ps.check_env_specs(env_id, seed=1)
+    assert str(refused.value) == f"{env_id} does not keep to its spaces: {problem} (--no-check-env skips this check)"
+
+
+@pytest.mark.parametrize("env_id", ["Taxi-v4", "Blackjack-v1", "FrozenLake-v1", "TestHybrid-v0", "TestGrid-v0",
+                                    "TestInfoMask-v0", "TestObservedMask-v0"])
+def test_the_spec_check_passes_envs_that_keep_to_their_spaces(env_id):
+    ps.check_env_specs(env_id, seed=1)  # (the masked test envs raise on a forbidden random action)
+
+
+def test_inspect_env_refuses_what_it_cannot_play_and_names_what_it_leaves_out():
+    with pytest.raises(ps.UsageError, match=r"^TestTextAction-v0's action space has a Text space: "):
+        ps.inspect_env(ps.Config(env="TestTextAction-v0"))
+    with pytest.raises(ps.UsageError) as refused:
+        ps.inspect_env(ps.Config(env="TestWrongMask-v0"))
+    assert "has 5 entries, but its Discrete and MultiDiscrete actions have 6 choices" in str(refused.value)
+    # The mask ignored: fine (without the check, whose random actions this env would refuse).
+    ps.inspect_env(ps.Config(env="TestWrongMask-v0", action_mask=False, check_env=False))
+    grid = ps.inspect_env(ps.Config(env="TestGrid-v0"))
+    assert grid.notes == ["observation mission (Text) left out: no fixed-size numbers to encode"]
+    assert grid.obs_size == 147 + 1 and not grid.masked
+    taxi = ps.inspect_env(ps.Config(env="Taxi-v4"))
+    assert taxi.masked and taxi.obs_size == 1 + 6 and taxi.notes == ['action mask: info["action_mask"], 6 choices']
+
+
+# ----- runs ----------------------------------------------------------------------------------------------
+
+
+def test_masks_hold_in_every_step_of_a_run_and_without_them_the_env_is_sent_forbidden_moves(tmp_path):
+    summary = ps.Main(small_config(tmp_path / "a", env="TestObservedMask-v0", num_workers=2)).run()
+    assert summary["steps"] == 128 and summary["interrupted"] is False
+    ps.Main(small_config(tmp_path / "b", env="TestInfoMask-v0")).run()
+    with pytest.raises(spaces_envs.ForbiddenMoveError):
+        ps.Main(small_config(tmp_path / "c", env="TestInfoMask-v0", action_mask=False)).run()
+
+
+def test_an_image_a_direction_and_a_text_in_a_dict_and_a_tuple_observation(tmp_path, capsys):
+    summary = ps.Main(small_config(tmp_path / "grid", env="TestGrid-v0")).run()
+    assert summary["episodes"] == 4 * 6  # 4 games of 32 steps: 6 whole episodes of 5 steps each
+    assert "observation mission (Text) left out: no fixed-size numbers to encode" in capsys.readouterr().out
+    blackjack = ps.Main(small_config(tmp_path / "blackjack", env="Blackjack-v1")).run()
+    assert blackjack["episodes"] > 0
+
+
+def test_command_line_run_resume_and_eval_with_video_on_taxi(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_script(*SMALL, "--total-timesteps", 256, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'action mask: info["action_mask"], 6 choices' in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary) == {"script", "env", "seed", "steps", "seconds", "warmup_seconds", "steps_per_second",
+                            "episodes", "mean_return_100", "target_return", "solved_step", "solved_seconds",
+                            "interrupted", "checkpoint", "world_size", "resumed_at_step"}
+    assert summary["script"] == "ppo_spaces" and summary["env"] == "Taxi-v4" and summary["steps"] == 256
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["global_step"] == 256 and checkpoint["updates"] == 2 and checkpoint["obs_size"] == 7
+
+    result = run_script("--resume", run_dir, "--total-timesteps", 512, "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert resumed["global_step"] == 512 and resumed["updates"] == 4
+    assert resumed["optimizer"]["steps"] == 4 * 4 * 2  # updates x epochs x minibatches
+
+    result = run_script("--eval", run_dir, "--eval-episodes", 2, "--video", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "eval Taxi-v4: return" in result.stdout and "over 2 episodes" in result.stdout
+    assert (run_dir / "eval.mp4").stat().st_size > 0
+
+
+def test_a_user_env_by_module_name_and_the_normaliser_in_the_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_script("--env", "spaces_envs:TestHybrid-v0", *SMALL, "--total-timesteps", 128, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    normalizer = checkpoint["normalizer"]["obs"]
+    assert normalizer["mean"].shape == (1,)  # the Box target; the Discrete mode is one-hot instead
+    assert float(normalizer["count"]) == pytest.approx(1e-4 + 128 + 4)  # every observation seen, once
+    result = run_script("--eval", run_dir, "--eval-episodes", 3, "--greedy", "--device", "cpu")
+    assert result.returncode == 0 and "over 3 episodes (greedy actions)" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--env", "spaces_envs:TestFlawedDtype-v0"],
+     "error: spaces_envs:TestFlawedDtype-v0 does not keep to its spaces: step 3's observation['position'] has "
+     "dtype float64, not float32 (--no-check-env skips this check)"),
+    (["--env", "spaces_envs:TestTextAction-v0"],
+     "error: spaces_envs:TestTextAction-v0's action space has a Text space: this script handles Box, Discrete, "
+     "MultiDiscrete and MultiBinary leaves in Dict and Tuple nests, and no script of this library handles "
+     "other actions"),
+    (["--env", "Taxi-v9"], "error: unknown env 'Taxi-v9'; did you mean Taxi-v4?"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
+    assert error_line(run_script(*SMALL, "--run-dir", tmp_path / "run", *args)) == line
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_in_worker_processes_saves_a_checkpoint_and_the_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "ppo_spaces.py", "--env", "spaces_envs:TestGrid-v0", "--num-workers", "2",
+         *map(str, SMALL), "--total-timesteps", str(10 ** 8), "--checkpoint-every", "128", "--run-dir", str(run_dir)],
+        cwd=ROOT, env=ENVIRON, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "checkpoint.pt").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    workers = children(process.pid)
+    assert len(workers) >= 2  # the workers (and multiprocessing's resource tracker)
+    os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGINT
+    assert wait_until_gone(workers)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert summary["interrupted"] is True and summary["steps"] == checkpoint["global_step"] > 0
+
+
+def test_no_check_env_skips_the_check(tmp_path):
+    config = small_config(tmp_path, env="TestFlawedDtype-v0", check_env=False)
+    assert ps.Main(config).run()["steps"] == 128  # float64 numbers fit the float32 observation
+
+
+def test_help_lists_the_spaces_flags():
+    result = run_script("--help")
+    assert result.returncode == 0
+    for flag in ("--action-mask", "--no-action-mask", "--check-env", "--no-check-env"):
+        assert flag in result.stdout
+
+
+def test_under_torchrun_two_ranks_train_one_policy(tmp_path):
+    args = ["--env", "spaces_envs:TestHybrid-v0", "--num-envs", 4, "--num-steps", 16, "--num-minibatches", 2,
+            "--total-timesteps", 256, "--device", "cpu", "--run-dir", tmp_path]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "ppo_spaces.py", *map(str, args)],
+                            cwd=ROOT, env=ENVIRON, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 256
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    # Both ranks' observations merged into one set of statistics: 2 ranks x 4 games x (2 x 16 + 1).
+    assert float(checkpoint["normalizer"]["obs"]["count"]) == pytest.approx(1e-4 + 2 * 4 * 33)
+
+
+def test_pasted_into_a_notebook_cell_it_defines_everything_and_starts_nothing(tmp_path):
+    namespace = {"__name__": "__main__"}  # a notebook cell: no __file__
+    exec(compile((ROOT / "ppo_spaces.py").read_text(), "<cell>", "exec"), namespace)
+    assert not (tmp_path / "run").exists()
+    summary = namespace["Main"](namespace["Config"](env="TestHybrid-v0", num_envs=4, num_steps=16,
+                                                    total_timesteps=64, run_dir=str(tmp_path / "run"))).run()
+    assert summary["steps"] == 64
+
+
+# ----- learning --------------------------------------------------------------------------------------
+
+
+def test_learns_a_hybrid_action_to_within_5_percent_of_the_optimum(tmp_path):
+    # The optimum is 1 (the right choice, the parameter on the target); a random policy gets about 0.1.
+    # One-step episodes: no entropy bonus (it would keep the Gaussian wide), 10 epochs per rollout.
+    config = ps.Config(env="TestHybrid-v0", seed=1, total_timesteps=30_000, num_envs=16, num_steps=32,
+                       ent_coef=0.0, update_epochs=10, device="cpu", run_dir=str(tmp_path))
+    summary = ps.Main(config).run()
+    assert summary["mean_return_100"] >= 0.85  # sampled, the Gaussian's spread included
+    played = ps.evaluate_checkpoint(ps.Config(eval=str(tmp_path), eval_episodes=200, greedy=True, device="cpu"))
+    assert played["mean_return"] >= 0.95, played["mean_return"]  # the most likely choice, the mean parameter
+
+
+def test_learns_a_multibinary_action_and_plays_pendulum_s_box_action(tmp_path):
+    # TestCopyBits-v0 (tests/conftest.py): copy 4 bits; the optimum is 1, a random policy gets 0.5.
+    summary = ps.Main(ps.Config(env="TestCopyBits-v0", total_timesteps=20_000, num_envs=16, num_steps=32,
+                                device="cpu", run_dir=str(tmp_path / "bits"))).run()
+    assert summary["mean_return_100"] >= 0.95, summary
+    pendulum = ps.Main(small_config(tmp_path / "pendulum", env="Pendulum-v1", total_timesteps=256)).run()
+    assert pendulum["steps"] == 256 and pendulum["episodes"] == 0  # (200 steps an episode; 4 games)
+
+
+def test_the_default_taxi_with_its_masks_reaches_a_mean_return_of_7(tmp_path):
+    # The optimum is about 8 (20 for the drop-off, -1 a step); a random policy gets about -200 even with masks
+    # (it drives until the time limit).
+    summary = ps.Main(ps.Config(seed=1, target_return=7, total_timesteps=150_000, device="cpu",
+                                run_dir=str(tmp_path))).run()
+    assert summary["solved_step"] is not None, summary  # the mean of 100 episodes reached 7 at that step
+
