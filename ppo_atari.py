@@ -1389,6 +1389,9 @@ RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or
           "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
           "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
+# The observation spaces besides Box that ppo_spaces.py reads, alone or nested.
+SPACES_OBSERVATIONS = ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
+
 
 def check_settings(config: Config):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
@@ -1439,13 +1442,13 @@ def inspect_env(env_id: str) -> int:
     env.close()
     if atari:
         return int(action_space.n)
-    if not isinstance(obs_space, gym.spaces.Box):
+    kind = type(obs_space).__name__
+    if not isinstance(obs_space, gym.spaces.Box) and kind not in SPACES_OBSERVATIONS:
         raise UsageError(f"{env_id} is not an Atari game, and no script of this library handles "
-                         f"{type(obs_space).__name__} observations yet")
-    if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
-        raise UsageError(f"{env_id} is not an Atari game, and no script of this library handles "
-                         f"image observations outside Atari yet")
+                         f"{kind} observations yet")
     script = "ppo_continuous.py" if isinstance(action_space, gym.spaces.Box) else "ppo_cartpole.py"
+    if kind in SPACES_OBSERVATIONS or obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
+        script = "ppo_spaces.py, which reads images and nests of spaces"
     raise UsageError(f"{env_id} is not an Atari game: use {script}")
 
 

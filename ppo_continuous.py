@@ -1499,6 +1499,9 @@ RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or
           "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
           "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
+# The observation spaces besides Box that ppo_spaces.py reads, alone or nested.
+SPACES_OBSERVATIONS = ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
+
 
 def check_settings(config: Config):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
@@ -1562,19 +1565,22 @@ def inspect_env(env_id: str):
         raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
     obs_space, action_space = env.observation_space, env.action_space
     env.close()
+    kind = type(obs_space).__name__
     if not isinstance(obs_space, gym.spaces.Box):
-        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; no script "
-                         f"of this library handles {type(obs_space).__name__} observations yet")
+        raise UsageError(f"{env_id} has a {kind} observation space; " + (
+            "use ppo_spaces.py, which reads any nest of spaces" if kind in SPACES_OBSERVATIONS
+            else f"no script of this library handles {kind} observations yet"))
     if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
-        raise UsageError(f"{env_id} observes images {obs_space.shape}; no script of this library "
-                         f"handles image observations outside Atari yet")
+        raise UsageError(f"{env_id} observes images {obs_space.shape}; use ppo_spaces.py (a CNN "
+                         f"sized to the image) or, for Atari, ppo_atari.py")
     if not isinstance(action_space, gym.spaces.Box):
         kind = type(action_space).__name__
         raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
                          f"continuous (Box) actions" + (
                              ": use ppo_cartpole.py for Discrete, MultiDiscrete and MultiBinary "
                              "ones" if kind in ("Discrete", "MultiDiscrete", "MultiBinary") else
-                             f", and no script of this library handles {kind} actions yet"))
+                             ": use ppo_spaces.py for nests of actions" if kind in ("Dict", "Tuple")
+                             else f", and no script of this library handles {kind} actions yet"))
     low, high = (torch.as_tensor(bound, dtype=torch.float32).flatten()
                  for bound in (action_space.low, action_space.high))
     return int(np.prod(obs_space.shape)), int(np.prod(action_space.shape)), low, high

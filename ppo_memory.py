@@ -1600,6 +1600,9 @@ def with_kind_defaults(config: Config) -> Config:
               if getattr(config, name) is None}
     return dataclasses.replace(config, **chosen)
 
+# The observation spaces besides Box that ppo_spaces.py reads, alone or nested.
+SPACES_OBSERVATIONS = ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
+
 
 def check_settings(config: Config):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
@@ -1657,12 +1660,14 @@ def inspect_env(env_id: str):
         raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
     obs_space, action_space = env.observation_space, env.action_space
     env.close()
+    kind = type(obs_space).__name__
     if not isinstance(obs_space, gym.spaces.Box):
-        raise UsageError(f"{env_id} has a {type(obs_space).__name__} observation space; no script "
-                         f"of this library handles {type(obs_space).__name__} observations yet")
+        raise UsageError(f"{env_id} has a {kind} observation space; " + (
+            "use ppo_spaces.py, which reads any nest of spaces" if kind in SPACES_OBSERVATIONS
+            else f"no script of this library handles {kind} observations yet"))
     if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
-        raise UsageError(f"{env_id} observes images {obs_space.shape}; no script of this library "
-                         f"handles image observations outside Atari yet")
+        raise UsageError(f"{env_id} observes images {obs_space.shape}; use ppo_spaces.py (a CNN "
+                         f"sized to the image) or, for Atari, ppo_atari.py")
     obs_size = int(np.prod(obs_space.shape))
     if isinstance(action_space, gym.spaces.Discrete):
         return obs_size, int(action_space.n)
@@ -1672,9 +1677,11 @@ def inspect_env(env_id: str):
     if isinstance(action_space, (gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
         raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
                          f"Discrete actions: use ppo_cartpole.py (no memory)")
+    kind = type(action_space).__name__
     raise UsageError(f"{env_id} has a {action_space} action space; this script handles Discrete "
-                     f"actions, and no script of this library handles "
-                     f"{type(action_space).__name__} actions yet")
+                     f"actions" + (": use ppo_spaces.py (no memory) for nests of actions"
+                                   if kind in ("Dict", "Tuple") else
+                                   f", and no script of this library handles {kind} actions yet"))
 
 
 def pick_device(name: str) -> torch.device:

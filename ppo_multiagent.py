@@ -1460,7 +1460,7 @@ def find_env_module(env_id: str):
     parent, _, name = env_id.rpartition(".")
     if not parent:
         raise UsageError(f"--env {env_id!r}: name a PettingZoo parallel env by module and name, "
-                         f"e.g. mpe2.simple_spread_v3 (gymnasium envs: use ppo_cartpole.py)")
+                         f"e.g. mpe2.simple_spread_v3 (a gymnasium env: ppo_spaces.py)")
     try:
         module = importlib.import_module(env_id)
     except ModuleNotFoundError as error:

@@ -466,3 +466,17 @@ def test_a_cpu_run_prints_no_stray_warning(script, runs):
     for result in (runs.first(script)["result"], runs.evaluated(script)["result"]):
         assert "No CUDA runtime is found" not in result.stderr, result.stderr[-2000:]
         assert "XDG_RUNTIME_DIR" not in result.stderr, result.stderr[-2000:]
+
+
+# ----- 10. a refused env is sent to a script that plays it ---------------------------------------
+
+
+@pytest.mark.parametrize("script", [script for script in SCRIPTS if script != "ppo_multiagent"])
+@pytest.mark.parametrize("env_id", ["FrozenLake-v1", "Blackjack-v1"])  # Discrete, Tuple observed
+def test_other_observation_spaces_are_sent_to_ppo_spaces_which_plays_them(script, env_id):
+    module = importlib.import_module(script)
+    with pytest.raises(module.UsageError) as refused:
+        module.inspect_env(env_id)
+    assert "use ppo_spaces.py" in str(refused.value), str(refused.value)
+    spaces = importlib.import_module("ppo_spaces")
+    spaces.inspect_env(spaces.Config(env=env_id))  # no refusal: it plays them
