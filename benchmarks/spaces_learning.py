@@ -89,9 +89,58 @@ How to run it (from the repository root)
     python benchmarks/spaces_learning.py --plot-only          # tables and plot from the kept logs
     python benchmarks/spaces_learning.py --steps 5000 --seeds 1 --random-episodes 5 \
         --results-dir /tmp/spaces_learning_test             # a quick check of the benchmark
+    python benchmarks/spaces_learning.py --env Blackjack-v1   # Blackjack: ours and random, below
+
+Blackjack-v1 (`--env Blackjack-v1`: issue 22's "Blackjack-v1 (Tuple observation) against random
+play")
+------------------------------------------------------------------------------------------------
+Gymnasium's Blackjack-v1 with its defaults (sab=False, natural=False: an infinite deck, the dealer
+stands on every 17, a natural pays 1 like any win, no doubling or splitting): a Tuple observation
+(Discrete(32) player sum, Discrete(11) dealer card, Discrete(2) usable ace: one one-hot encoder
+each), 2 actions (stick, hit), no mask, returns -1 / 0 / +1, 1-3 steps an episode. Two variants:
+
+1. `ours`: `python ppo_spaces.py --env Blackjack-v1 --seed S --total-timesteps N --run-dir <tmp>`
+   with the script's defaults (the Taxi ones above; nothing in BLACKJACK_ARGS): they learn, so no
+   setting is changed. A one-seed probe (seed 1, 300,000 steps) had a mean return of -0.17 over
+   its first 20,000 episodes and -0.04 over its last 20,000, against -0.047 for the optimal
+   policy. Budget `--steps` 300,000 (default with this env): in the full run (2026-11-25, the
+   2-core machine below) the 1,000-episode mean of every seed stayed within about 0.05 of the
+   optimum from about 50k steps on, and over the episodes after step 100k seeds 1-3 averaged
+   -0.051, -0.050 and -0.046 (standard errors 0.003); a run took 45 s, the whole benchmark (3
+   seeds, the random policy, the report) 2 min 41 s. Its episodes are read as for Taxi: about
+   205,000 a run, so each `ours_seed<S>.csv` is about 2.5 MB.
+2. `random`: uniformly random actions (stick or hit with probability 1/2 each),
+   `--random-episodes` (default 100,000 with this env; a standard error near 0.003).
+
+No MaskablePPO (Blackjack has no masks) and no target step: with returns of -1 / 0 / +1 (a standard
+deviation near 0.9), a 100-episode mean has a standard error near 0.09, larger than the differences
+that matter near the optimum (hundredths), and a 100-episode target near it would be "reached" by
+chance. Instead, after harness.py's table (its "return at end": the last 100 episodes), this file's
+table gives each run's mean return over its last 1,000 training episodes with its standard error,
+and over its last 10,000, against the random floor and the optimal policy's value, with the share of
+the gap from random play to the optimum closed (the training policy samples its actions, so it stays
+a little under a greedy one).
+
+The optimal value is computed exactly, in this file (`blackjack_values`), by dynamic programming
+over the env's rules as written in gymnasium's `blackjack.py` (cards 1-10 with 10 four times as
+likely, drawn with replacement; the dealer draws to a sum of 17 or more with a usable ace counted
+as 11; the player's hit busts above 21 for -1; stick compares the scores, a dealer bust counting as
+0): the value of the best of stick and hit in each (player cards' sum, ace held, dealer's card),
+averaged over the first two cards and the dealer's card. With a deck this infinite the observation
+holds all that matters, so the best policy on it is the optimum: -0.0466 a hand (-0.04656).
+Played in the env for 200,000 hands (seed 123) that policy gave -0.045 (standard error 0.002).
+The same recursion with each action taken with probability 1/2 gives the random floor exactly
+(-0.3959), which the table shows beside the played one.
+
+Outputs as for Taxi, in benchmarks/results/spaces_learning_blackjack/ (`ours_seed<S>.csv`,
+`random.csv`, `runs.json`, `table.md`: harness.py's table, then this file's), and the plot
+benchmarks/plots/spaces_blackjack_learning.png, this file's own: the mean return of each run's last
+1,000 episodes every `--plot-every` steps (from its 1,000th on), per variant the mean over seeds
+and the min–max band; the random floor ± one standard error; the optimal value dotted.
 """
 
 import argparse
+import collections
 import datetime
 import importlib.metadata
 import json
@@ -104,7 +153,7 @@ import time
 from pathlib import Path
 
 from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready,
-                     first_reaching, fmt, learning_arguments, learning_report, load_report,
+                     display, first_reaching, fmt, learning_arguments, learning_report, load_report,
                      mean_std, nice_prefix, read_csv, run_learning, run_sb3_logged, run_status,
                      save_run, sb3_learn_and_record, timed_run, write_csv)
 
@@ -140,6 +189,29 @@ BENCH = Learning(
     legend_loc="center right",
 )
 
+BLACKJACK = "Blackjack-v1"
+BLACKJACK_ARGS = ()  # ppo_spaces.py's defaults learn Blackjack (see the docstring): nothing added
+FINAL_WINDOW, LONG_WINDOW = 1_000, 10_000  # episodes in this file's Blackjack table and plot
+BLACKJACK_BENCH = Learning(
+    name="spaces_learning_blackjack",
+    script=REPO_ROOT / "ppo_spaces.py",
+    variants=("ours", "random"),
+    labels={"ours": "ours, ppo_spaces.py (defaults)", "random": "uniformly random actions"},
+    colors={"ours": "tab:blue", "random": "tab:gray"},
+    packages=("torch", "gymnasium", "numpy"),
+    unit="episode",
+    score="return",
+    x_label="environment steps (all envs)",
+    y_label=f"episode return (mean of the last {FINAL_WINDOW:,} training episodes)",
+    note=f"(ours anneals its learning rate over it). Return: the mean return of each run's last "
+    f"{WINDOW} training episodes at its end (stochastic policy; a standard error near 0.1: see "
+    f"the next table for the last {FINAL_WINDOW:,}); std over seeds; no ratio: no SB3 variant. "
+    "steps/s: steady training speed (from the end of the first update), mean over seeds. Random "
+    f"policy: stick or hit with probability 1/2 each, in gymnasium's {BLACKJACK}.",
+    legend_loc="lower right",
+)
+BENCHES = {ENV: BENCH, BLACKJACK: BLACKJACK_BENCH}
+
 
 # --------------------------------------------------------------------------------------------------
 # The runs: ours through its command line, MaskablePPO in a child process, the random policy here
@@ -174,10 +246,10 @@ def seconds_to_target(episodes, launch):
 
 def run_ours(variant, seed, args):
     """One run of ppo_spaces.py: (run record, episodes, output tail)."""
-    masks = [] if variant == "masks" else ["--no-action-mask"]
+    masks = {"masks": [], "no-masks": ["--no-action-mask"], "ours": list(BLACKJACK_ARGS)}[variant]
     with tempfile.TemporaryDirectory(prefix=f"{variant}_seed{seed}_") as tmp, \
             tempfile.TemporaryDirectory(prefix=f"{variant}_seed{seed}_log_") as log_dir:
-        cmd = [*nice_prefix(args), sys.executable, str(BENCH.script), "--env", ENV, "--seed",
+        cmd = [*nice_prefix(args), sys.executable, str(BENCH.script), "--env", args.env, "--seed",
                str(seed), "--total-timesteps", str(args.steps), *masks, "--run-dir", tmp,
                *shlex.split(args.our_args)]
         launch = time.time()
@@ -185,7 +257,7 @@ def run_ours(variant, seed, args):
         summary_path = Path(tmp) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         episodes = read_timed_episodes(tmp)
-    step, seconds = seconds_to_target(episodes, launch)
+    step, seconds = seconds_to_target(episodes, launch) if args.env == ENV else (None, None)
     record = {"status": run_status(returncode, summary, args.timeout), "exit_status": returncode,
               "command": shlex.join(cmd), "wall_seconds": round(wall, 2),
               "steps": summary.get("steps") if summary else None,
@@ -240,7 +312,7 @@ def random_allowed(args, use_mask):
     import gymnasium as gym
     import numpy as np
 
-    env = gym.make(ENV)
+    env = gym.make(args.env)
     rng = np.random.default_rng(args.random_seed)
     num_actions = int(env.action_space.n)
     returns, lengths = [], []
@@ -257,15 +329,20 @@ def random_allowed(args, use_mask):
         _, info = env.reset()
     env.close()
     how = ("uniformly among the actions info['action_mask'] allows" if use_mask
-           else "uniformly random actions, the mask ignored")
-    command = (f"in this process: gymnasium.make({ENV!r}), reset(seed={args.random_seed}) once, "
+           else "uniformly random actions, the mask ignored" if args.env == ENV
+           else "uniformly random actions")
+    command = (f"in this process: gymnasium.make({args.env!r}), "
+               f"reset(seed={args.random_seed}) once, "
                f"{how}, numpy.random.default_rng({args.random_seed})")
     return returns, lengths, command
 
 
 def play_random(args):
     """The floor, random allowed actions: (returns, lengths, how), which run_learning keeps. Also,
-    as cheap, random actions that ignore the mask, kept here (random_unmasked.csv, runs.json)."""
+    as cheap, random actions that ignore the mask, kept here (random_unmasked.csv, runs.json).
+    Blackjack has no mask: uniformly random actions only."""
+    if args.env != ENV:
+        return random_allowed(args, use_mask=False)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     start = time.perf_counter()
     returns, lengths, command = random_allowed(args, use_mask=False)
@@ -354,23 +431,228 @@ def append_time_table(args):
 
 
 # --------------------------------------------------------------------------------------------------
+# Blackjack: the exact values of the optimal and the random policy, the table and the plot
+# --------------------------------------------------------------------------------------------------
+
+
+def blackjack_values():
+    """(optimal, random): the exact expected return of a hand of gymnasium's Blackjack-v1
+    (sab=False, natural=False) under the optimal policy and under stick or hit with probability 1/2,
+    by dynamic programming over its rules (blackjack.py): cards 1-10 (10 four times as likely) drawn
+    with replacement; an ace counts 11 while that keeps the sum at 21 or under; the dealer draws to
+    17 or more; a hit over 21 loses 1; stick compares the scores, a dealer bust scoring 0. A hand is
+    its cards' sum with aces as 1 and whether it holds an ace; with an infinite deck that (and the
+    dealer's card) is all that matters, and it is what the observation tells."""
+    from fractions import Fraction
+    from functools import lru_cache
+
+    card = {c: Fraction(4 if c == 10 else 1, 13) for c in range(1, 11)}
+
+    def total(cards_sum, ace):  # an ace counted as 11 where that does not bust
+        return cards_sum + 10 if ace and cards_sum + 10 <= 21 else cards_sum
+
+    @lru_cache(maxsize=None)
+    def dealer(cards_sum, ace):  # {final score (0: bust): probability}
+        if total(cards_sum, ace) >= 17:
+            return {0 if total(cards_sum, ace) > 21 else total(cards_sum, ace): Fraction(1)}
+        scores = {}
+        for c, p in card.items():
+            for score, q in dealer(cards_sum + c, ace or c == 1).items():
+                scores[score] = scores.get(score, 0) + p * q
+        return scores
+
+    @lru_cache(maxsize=None)
+    def stick(cards_sum, ace, up):  # the dealer's hole card is drawn like any other
+        mine = total(cards_sum, ace)
+        return sum(p * q * ((mine > score) - (mine < score)) for c, p in card.items()
+                   for score, q in dealer(up + c, up == 1 or c == 1).items())
+
+    @lru_cache(maxsize=None)
+    def value(cards_sum, ace, up, best):
+        def after(c):
+            if total(cards_sum + c, ace or c == 1) > 21:
+                return -1
+            return value(cards_sum + c, ace or c == 1, up, best)
+        hit = sum(p * after(c) for c, p in card.items())
+        both = (stick(cards_sum, ace, up), hit)
+        return max(both) if best else sum(both) / 2
+
+    def start(best):
+        return sum(p_up * p1 * p2 * value(c1 + c2, c1 == 1 or c2 == 1, up, best)
+                   for up, p_up in card.items() for c1, p1 in card.items()
+                   for c2, p2 in card.items())
+
+    return float(start(True)), float(start(False))
+
+
+def last_mean(episodes, count):
+    """(mean, standard error) of the returns of the last `count` episodes, or (None, None)."""
+    returns = [e[1] for e in episodes[-count:]]
+    if len(returns) < 2:
+        return None, None
+    return statistics.fmean(returns), statistics.stdev(returns) / len(returns) ** 0.5
+
+
+def blackjack_table(args, trained, random_returns, optimal, random_exact):
+    """Per seed the mean return of the last FINAL_WINDOW episodes ± its standard error, the mean
+    over seeds, the last LONG_WINDOW's, the share of the gap from random to optimal closed; the
+    random floor as played and exact; the optimal value."""
+    seeds_heading = "".join(f" seed {seed}: last {FINAL_WINDOW:,} |" for seed in args.seeds)
+    lines = [f"| variant |{seeds_heading} mean ± std over seeds | last {LONG_WINDOW:,}, mean over "
+             "seeds | gap closed (random → optimal) |",
+             "| --- |" + " ---: |" * (len(args.seeds) + 3)]
+    floor = mean_std(random_returns)[0] if random_returns else random_exact
+    for variant, seeds in trained.items():
+        finals, longs, cells = [], [], ""
+        for seed in args.seeds:
+            mean, error = last_mean(seeds[seed][1], FINAL_WINDOW) if seed in seeds else (None, None)
+            cells += f" {fmt(mean, '.3f')} ± {fmt(error, '.3f')} |" if mean is not None else " – |"
+            if mean is not None:
+                finals.append(mean)
+                longs.append(last_mean(seeds[seed][1], LONG_WINDOW)[0])
+        mean, std = mean_std(finals)
+        long = mean_std(longs)[0]
+        gap = None if mean is None else (mean - floor) / (optimal - floor)
+        lines.append(f"| {BLACKJACK_BENCH.labels[variant]} |{cells} **{fmt(mean, '.3f')}** ± "
+                     f"{fmt(std, '.3f')} | {fmt(long, '.3f')} | {fmt(gap, '.0%')} |")
+    blank = " – |" * len(args.seeds)
+    if random_returns:
+        mean, std = mean_std(random_returns)
+        error = std / len(random_returns) ** 0.5
+        lines.append(f"| {BLACKJACK_BENCH.labels['random']}, played |{blank} {mean:.3f} ± "
+                     f"{error:.3f} (standard error, {len(random_returns):,} episodes) | – | 0% |")
+    lines.append(f"| {BLACKJACK_BENCH.labels['random']}, exact |{blank} {random_exact:.4f} "
+                 "| – | – |")
+    lines.append(f"| the optimal policy, exact |{blank} {optimal:.4f} | – | 100% |")
+    notes = (f"Each seed: the mean return of the run's last {FINAL_WINDOW:,} training episodes "
+             "(its policy samples its actions) ± its standard error; mean ± std over seeds of "
+             "those; "
+             f"the mean over seeds of each run's last {LONG_WINDOW:,}; gap closed: (that "
+             f"{FINAL_WINDOW:,}-episode mean − random) / (optimal − random), with random the "
+             "played floor. Exact values: this file's blackjack_values, dynamic programming over "
+             f"gymnasium's {BLACKJACK} rules (sab=False, natural=False); the optimal one is the "
+             "best policy's expected return a hand, the random one that of stick or hit with "
+             "probability 1/2.")
+    return "\n".join(lines + [""] + textwrap.wrap(notes, width=100)) + "\n"
+
+
+def moving_curve(episodes, grid, end, window):
+    """The mean return of the last `window` episodes finished by each grid step (None before
+    `window` episodes, or past the run's end)."""
+    values, recent, running, i = [], collections.deque(), 0.0, 0
+    for x in grid:
+        while i < len(episodes) and episodes[i][0] <= x:
+            recent.append(episodes[i][1])
+            running += episodes[i][1]
+            if len(recent) > window:
+                running -= recent.popleft()
+            i += 1
+        values.append(running / window if len(recent) == window and x <= end else None)
+    return values
+
+
+def blackjack_plot(args, trained, random_returns, budgets, optimal):
+    """harness.py's plot with a FINAL_WINDOW-episode moving mean (a 100-episode one is too noisy
+    on Blackjack's -1 / 0 / +1), and the optimal value dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    bench = BLACKJACK_BENCH
+    end = max((r["steps"] for seeds in trained.values() for r, _ in seeds.values()), default=0)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    for variant, seeds in trained.items():
+        ends = {r["steps"] for r, _ in seeds.values()}
+        grid = sorted(set(range(args.plot_every, end + 1, args.plot_every)) | ends)
+        curves = [moving_curve(episodes, grid, r["steps"], FINAL_WINDOW)
+                  for r, episodes in seeds.values()]
+        points = [(x, [c[k] for c in curves]) for k, x in enumerate(grid)
+                  if all(c[k] is not None for c in curves)]
+        if not points:
+            continue
+        xs = [x for x, _ in points]
+        ax.plot(xs, [statistics.fmean(v) for _, v in points], color=bench.colors[variant], lw=2,
+                label=f"{bench.labels[variant]} ({len(seeds)} seeds)")
+        ax.fill_between(xs, [min(v) for _, v in points], [max(v) for _, v in points],
+                        color=bench.colors[variant], alpha=0.2, lw=0)
+    if random_returns:
+        mean, std = mean_std(random_returns)
+        error = std / len(random_returns) ** 0.5
+        ax.axhline(mean, color=bench.colors["random"], ls="--", lw=1.5,
+                   label=f"{bench.labels['random']} ({len(random_returns):,} episodes, "
+                         "± 1 standard error)")
+        ax.axhspan(mean - error, mean + error, color=bench.colors["random"], alpha=0.15, lw=0,
+                   zorder=0)
+    ax.axhline(optimal, color="black", ls=":", lw=1.2,
+               label=f"optimal policy, exact: {optimal:.4f} a hand")
+    budget = " / ".join(f"{b:,}" for b in budgets) or "–"
+    seeds = sorted({seed for runs in trained.values() for seed in runs})
+    ax.set_title(f"{BLACKJACK}: PPO (ppo_spaces.py), {budget} steps, seeds "
+                 f"{', '.join(map(str, seeds))}\nline: mean over seeds; band: min–max over seeds",
+                 fontsize=11)
+    ax.set_xlabel(bench.x_label)
+    ax.set_ylabel(bench.y_label)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
+    ax.set_xlim(0, max(end, args.plot_every))
+    ax.grid(alpha=0.3)
+    ax.legend(loc=bench.legend_loc, fontsize=9)
+    fig.tight_layout()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot)
+    plt.close(fig)
+
+
+def blackjack_report(args):
+    """Append this file's table to table.md (after harness.py's) and print it; redraw the plot with
+    the FINAL_WINDOW-episode mean and the optimal value."""
+    _, trained, random_returns, budgets, _ = load_report(BLACKJACK_BENCH, args)
+    optimal, random_exact = blackjack_values()
+    text = blackjack_table(args, trained, random_returns, optimal, random_exact)
+    print()
+    print(text, end="")
+    with open(args.results_dir / "table.md", "a") as table:
+        table.write("\n" + text)
+    blackjack_plot(args, trained, random_returns, budgets, optimal)
+    print(f"\nredrew {display(args.plot)} (last {FINAL_WINDOW:,} episodes, the optimal value)")
+
+
+# --------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------
 
 
 def parse_args():
+    # --env first: the variants and the defaults depend on it
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env", choices=list(BENCHES), default=ENV)
+    env = pre.parse_known_args()[0].env
+    bench = BENCHES[env]
     parser = argparse.ArgumentParser(
         description="Learning curves and steps and seconds to a 100-episode mean return of 7 on "
         "Taxi-v4 over seeds: ppo_spaces.py with and without action masks, sb3-contrib's "
-        "MaskablePPO with its defaults, and random allowed actions.",
+        "MaskablePPO with its defaults, and random allowed actions. With --env Blackjack-v1: "
+        "ppo_spaces.py against random actions and the exact optimal value.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    learning_arguments(parser, BENCH, steps=200_000, timeout=1800.0, plot_every=2000,
-                       plot_help="the PNG (default: benchmarks/plots/spaces_taxi_learning.png for "
-                       "the default results dir, else inside the results dir)")
+    parser.add_argument("--env", choices=list(BENCHES), default=ENV,
+                        help="Taxi-v4: four variants, the steps to 7; Blackjack-v1: ours and "
+                        "random, the final returns against the optimal policy's (--help with it "
+                        "shows its defaults)")
+    if env == ENV:
+        learning_arguments(parser, bench, steps=200_000, timeout=1800.0, plot_every=2000,
+                           plot_help="the PNG (default: benchmarks/plots/spaces_taxi_learning.png "
+                           "for the default results dir, else inside the results dir)")
+    else:
+        learning_arguments(parser, bench, steps=300_000, timeout=900.0, plot_every=2000,
+                           plot_help="the PNG (default: benchmarks/plots/"
+                           "spaces_blackjack_learning.png for the default results dir, else "
+                           "inside the results dir)")
+        parser.set_defaults(random_count=100_000)
     args = parser.parse_args()
-    args.env = ENV
-    check_learning_arguments(parser, args, BENCH, "spaces_taxi_learning.png")
+    check_learning_arguments(parser, args, bench, "spaces_taxi_learning.png" if env == ENV
+                             else "spaces_blackjack_learning.png")
     return args
 
 
@@ -385,19 +667,23 @@ def check_sb3_contrib():
 
 def main():
     args = parse_args()
+    bench = BENCHES[args.env]
     if args.sb3_child:
         seed, out_file = args.sb3_child
         sb3_child(int(seed), out_file, args.steps)
         return
     if args.plot_only:
-        learning_report(BENCH, args)  # harness.py's table and plot
+        learning_report(bench, args)  # harness.py's table and plot
     else:
-        check_ready(BENCH.script if {"masks", "no-masks"} & set(args.variants) else None,
+        check_ready(bench.script if set(bench.trained) & set(args.variants) else None,
                     sb3="maskable" in args.variants)
         if "maskable" in args.variants:
             check_sb3_contrib()
-        run_learning(BENCH, args, run_variant, play_random)  # ends with learning_report
-    append_time_table(args)
+        run_learning(bench, args, run_variant, play_random)  # ends with learning_report
+    if args.env == ENV:
+        append_time_table(args)
+    else:
+        blackjack_report(args)
 
 
 if __name__ == "__main__":
