@@ -522,17 +522,32 @@ def mean_std(values):
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def curve(episodes, grid, end):
-    """The mean return of the last WINDOW episodes finished by each grid step (None before
-    MIN_EPISODES episodes, or past the run's end)."""
-    values, recent, i = [], [], 0
+def curve(episodes, grid, end, window=WINDOW, min_episodes=MIN_EPISODES):
+    """The mean return of the last `window` episodes finished by each grid step (None before
+    `min_episodes` episodes, or past the run's end)."""
+    values, recent, i = [], collections.deque(maxlen=window), 0
     for x in grid:
         while i < len(episodes) and episodes[i][0] <= x:
-            recent = (recent + [episodes[i][1]])[-WINDOW:]
+            recent.append(episodes[i][1])
             i += 1
-        values.append(statistics.fmean(recent) if len(recent) >= MIN_EPISODES and x <= end
+        values.append(statistics.fmean(recent) if len(recent) >= min_episodes and x <= end
                       else None)
     return values
+
+
+def read_timed_episodes(run_dir):
+    """Every finished episode's (step, return, length, wall-clock time it was logged at), from the
+    TensorBoard events in `run_dir`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0},  # 0: keep every one
+                              purge_orphaned_data=False)
+    events.Reload()
+    if "charts/episodic_return" not in events.Tags()["scalars"]:
+        return []
+    returns, lengths = events.Scalars("charts/episodic_return"), events.Scalars(
+        "charts/episodic_length")
+    return [(r.step, r.value, int(n.value), r.wall_time) for r, n in zip(returns, lengths)]
 
 
 def first_reaching(episodes, target):
@@ -644,9 +659,11 @@ def learning_table(bench, args, runs, trained, random_returns, budgets, notes):
     return "\n".join(lines) + "\n"
 
 
-def learning_plot(bench, args, trained, random_returns, budgets, path):
-    """Per variant, the mean over seeds of `curve` every `--plot-every` steps as a line and the
-    min–max over seeds as a band; the random policy's mean ± one standard error; the target."""
+def learning_plot(bench, args, trained, random_returns, budgets, path, window=WINDOW,
+                  min_episodes=MIN_EPISODES, reference=None):
+    """Per variant, the mean over seeds of `curve` (over `window` episodes) every `--plot-every`
+    steps as a line and the min–max over seeds as a band; the random policy's mean ± one standard
+    error; the target, or `reference` = (value, label) in its place."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -658,7 +675,8 @@ def learning_plot(bench, args, trained, random_returns, budgets, path):
     for variant, seeds in trained.items():
         ends = {r["steps"] for r, _ in seeds.values()}
         grid = sorted(set(range(args.plot_every, end + 1, args.plot_every)) | ends)
-        curves = [curve(episodes, grid, r["steps"]) for r, episodes in seeds.values()]
+        curves = [curve(episodes, grid, r["steps"], window, min_episodes)
+                  for r, episodes in seeds.values()]
         points = [(x, [c[k] for c in curves]) for k, x in enumerate(grid)
                   if all(c[k] is not None for c in curves)]
         if not points:
@@ -672,11 +690,13 @@ def learning_plot(bench, args, trained, random_returns, budgets, path):
         mean, std = mean_std(random_returns)
         error = std / math.sqrt(len(random_returns))
         ax.axhline(mean, color=bench.colors["random"], ls="--", lw=1.5,
-                   label=f"{bench.labels['random']} ({len(random_returns)} {bench.unit}s, "
+                   label=f"{bench.labels['random']} ({len(random_returns):,} {bench.unit}s, "
                          "± 1 standard error)")
         ax.axhspan(mean - error, mean + error, color=bench.colors["random"], alpha=0.15, lw=0,
                    zorder=0)
-    if bench.target is not None:
+    if reference is not None:
+        ax.axhline(reference[0], color="black", ls=":", lw=1.2, label=reference[1])
+    elif bench.target is not None:
         ax.axhline(bench.target, color="black", ls=":", lw=1,
                    label=f"target {bench.target:g} (mean of {WINDOW} {bench.unit}s)")
     budget = " / ".join(f"{b:,}" for b in budgets) or "–"

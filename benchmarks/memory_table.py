@@ -71,8 +71,8 @@ from pathlib import Path
 
 from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready,
                      first_reaching, fmt, learning_arguments, learning_report, linear_schedule,
-                     load_report, mean_std, nice_prefix, run_learning, run_sb3_logged, run_status,
-                     timed_run)
+                     load_report, mean_std, nice_prefix, read_timed_episodes, run_learning,
+                     run_sb3_logged, run_status, timed_run)
 
 # This file's top level imports only the standard library (and harness.py, which does too), so that
 # the SB3 child pays for its own imports just like our script does.
@@ -108,21 +108,6 @@ BENCH = Learning(
 # --------------------------------------------------------------------------------------------------
 # The runs: ours through its command line, RecurrentPPO in a child process, the random policy here
 # --------------------------------------------------------------------------------------------------
-
-
-def read_timed_episodes(run_dir):
-    """Every finished episode's (step, return, length, wall-clock time it was logged at), from the
-    TensorBoard events in `run_dir`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0},  # 0: keep every one
-                              purge_orphaned_data=False)
-    events.Reload()
-    if "charts/episodic_return" not in events.Tags()["scalars"]:
-        return []
-    returns, lengths = events.Scalars("charts/episodic_return"), events.Scalars(
-        "charts/episodic_length")
-    return [(r.step, r.value, int(n.value), r.wall_time) for r, n in zip(returns, lengths)]
 
 
 def seconds_to(episodes, launch):

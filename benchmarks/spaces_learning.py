@@ -140,7 +140,6 @@ and the min–max band; the random floor ± one standard error; the optimal valu
 """
 
 import argparse
-import collections
 import datetime
 import importlib.metadata
 import json
@@ -153,9 +152,10 @@ import time
 from pathlib import Path
 
 from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready,
-                     display, first_reaching, fmt, learning_arguments, learning_report, load_report,
-                     mean_std, nice_prefix, read_csv, run_learning, run_sb3_logged, run_status,
-                     save_run, sb3_learn_and_record, timed_run, write_csv)
+                     display, first_reaching, fmt, learning_arguments, learning_plot,
+                     learning_report, load_report, mean_std, nice_prefix, read_csv,
+                     read_timed_episodes, run_learning, run_sb3_logged, run_status, save_run,
+                     sb3_learn_and_record, timed_run, write_csv)
 
 # This file's top level imports only the standard library (and harness.py, which does too), so that
 # the MaskablePPO child pays for its own imports just like our script does.
@@ -216,21 +216,6 @@ BENCHES = {ENV: BENCH, BLACKJACK: BLACKJACK_BENCH}
 # --------------------------------------------------------------------------------------------------
 # The runs: ours through its command line, MaskablePPO in a child process, the random policy here
 # --------------------------------------------------------------------------------------------------
-
-
-def read_timed_episodes(run_dir):
-    """Every finished episode's (step, return, length, wall-clock time it was logged at), from the
-    TensorBoard events in `run_dir`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0},  # 0: keep every one
-                              purge_orphaned_data=False)
-    events.Reload()
-    if "charts/episodic_return" not in events.Tags()["scalars"]:
-        return []
-    returns, lengths = events.Scalars("charts/episodic_return"), events.Scalars(
-        "charts/episodic_length")
-    return [(r.step, r.value, int(n.value), r.wall_time) for r, n in zip(returns, lengths)]
 
 
 def seconds_to_target(episodes, launch):
@@ -536,74 +521,6 @@ def blackjack_table(args, trained, random_returns, optimal, random_exact):
     return "\n".join(lines + [""] + textwrap.wrap(notes, width=100)) + "\n"
 
 
-def moving_curve(episodes, grid, end, window):
-    """The mean return of the last `window` episodes finished by each grid step (None before
-    `window` episodes, or past the run's end)."""
-    values, recent, running, i = [], collections.deque(), 0.0, 0
-    for x in grid:
-        while i < len(episodes) and episodes[i][0] <= x:
-            recent.append(episodes[i][1])
-            running += episodes[i][1]
-            if len(recent) > window:
-                running -= recent.popleft()
-            i += 1
-        values.append(running / window if len(recent) == window and x <= end else None)
-    return values
-
-
-def blackjack_plot(args, trained, random_returns, budgets, optimal):
-    """harness.py's plot with a FINAL_WINDOW-episode moving mean (a 100-episode one is too noisy
-    on Blackjack's -1 / 0 / +1), and the optimal value dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    bench = BLACKJACK_BENCH
-    end = max((r["steps"] for seeds in trained.values() for r, _ in seeds.values()), default=0)
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
-    for variant, seeds in trained.items():
-        ends = {r["steps"] for r, _ in seeds.values()}
-        grid = sorted(set(range(args.plot_every, end + 1, args.plot_every)) | ends)
-        curves = [moving_curve(episodes, grid, r["steps"], FINAL_WINDOW)
-                  for r, episodes in seeds.values()]
-        points = [(x, [c[k] for c in curves]) for k, x in enumerate(grid)
-                  if all(c[k] is not None for c in curves)]
-        if not points:
-            continue
-        xs = [x for x, _ in points]
-        ax.plot(xs, [statistics.fmean(v) for _, v in points], color=bench.colors[variant], lw=2,
-                label=f"{bench.labels[variant]} ({len(seeds)} seeds)")
-        ax.fill_between(xs, [min(v) for _, v in points], [max(v) for _, v in points],
-                        color=bench.colors[variant], alpha=0.2, lw=0)
-    if random_returns:
-        mean, std = mean_std(random_returns)
-        error = std / len(random_returns) ** 0.5
-        ax.axhline(mean, color=bench.colors["random"], ls="--", lw=1.5,
-                   label=f"{bench.labels['random']} ({len(random_returns):,} episodes, "
-                         "± 1 standard error)")
-        ax.axhspan(mean - error, mean + error, color=bench.colors["random"], alpha=0.15, lw=0,
-                   zorder=0)
-    ax.axhline(optimal, color="black", ls=":", lw=1.2,
-               label=f"optimal policy, exact: {optimal:.4f} a hand")
-    budget = " / ".join(f"{b:,}" for b in budgets) or "–"
-    seeds = sorted({seed for runs in trained.values() for seed in runs})
-    ax.set_title(f"{BLACKJACK}: PPO (ppo_spaces.py), {budget} steps, seeds "
-                 f"{', '.join(map(str, seeds))}\nline: mean over seeds; band: min–max over seeds",
-                 fontsize=11)
-    ax.set_xlabel(bench.x_label)
-    ax.set_ylabel(bench.y_label)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
-    ax.set_xlim(0, max(end, args.plot_every))
-    ax.grid(alpha=0.3)
-    ax.legend(loc=bench.legend_loc, fontsize=9)
-    fig.tight_layout()
-    args.plot.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.plot)
-    plt.close(fig)
-
-
 def blackjack_report(args):
     """Append this file's table to table.md (after harness.py's) and print it; redraw the plot with
     the FINAL_WINDOW-episode mean and the optimal value."""
@@ -614,7 +531,10 @@ def blackjack_report(args):
     print(text, end="")
     with open(args.results_dir / "table.md", "a") as table:
         table.write("\n" + text)
-    blackjack_plot(args, trained, random_returns, budgets, optimal)
+    # A FINAL_WINDOW-episode mean: one of 100 is too noisy on Blackjack's -1 / 0 / +1.
+    learning_plot(BLACKJACK_BENCH, args, trained, random_returns, budgets, args.plot,
+                  window=FINAL_WINDOW, min_episodes=FINAL_WINDOW,
+                  reference=(optimal, f"optimal policy, exact: {optimal:.4f} a hand"))
     print(f"\nredrew {display(args.plot)} (last {FINAL_WINDOW:,} episodes, the optimal value)")
 
 
