@@ -79,6 +79,8 @@ class Config:
     greedy: bool = option(False, "with --eval, take the mean action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than learning Pendulum)")
+    numpy_on_cpu: bool = option(True, "on the CPU, play and learn in NumPy: the same formulas, "
+                                "less overhead")
 
 
 def parse_config(argv=None) -> Config:
@@ -779,6 +781,252 @@ def ended_episodes(episodes: list) -> list:
     return [(steps[t], {"return": float(returns[t, i]), "length": int(lengths[t, i])})
             for t, i in ended.nonzero().tolist()]
 
+# ----- The CPU's fast path: the same step in NumPy ------------------------------------------------
+
+
+def use_numpy_on_cpu(main: Main):
+    """--numpy-on-cpu (the default). On the CPU, with the games in this process, a step of MuJoCo's
+    HalfCheetah takes ~30 us and PPO's arithmetic on it a few more, but torch's eager dispatch
+    costs ~3 us for each of the ~60 small operations of the lesson's step, and a 64-row gradient
+    step with autograd ~1 ms (benchmarks/README.md); NumPy dispatches in about a microsecond. So
+    NumpyPlayer and NumpyLearner compute the lesson's formulas again in NumPy, on the lesson's own
+    tensors (a CPU tensor and its `.numpy()` share memory): the weights, Adam's moments and the
+    running statistics stay the ones checkpoints save, --eval plays and torchrun merges. tests/
+    check both against the lesson's torch code: they agree up to rounding. torchrun and --compile
+    keep torch's gradient step; Workers in child processes keep the lesson's rollout."""
+    config, guard = main.config, main.guard
+    if not config.numpy_on_cpu or guard.device.type != "cpu":
+        return
+    if guard.ranks.world_size == 1 and not config.compile:
+        main.trainer.gradient_step = NumpyLearner(main).gradient_step
+    player = NumpyPlayer(main)  # (after the learner, which moves the weights into flat arrays)
+    main.estimate_advantages = player.estimate_advantages
+    if config.env_backend == "gym" and config.num_workers == 0:
+        main.collect_rollout = player.collect_rollout
+
+
+def numpy_layers(mlp: nn.Sequential) -> list:
+    """(W [out, in], b [out]) of each Linear of one of the Model's MLPs, as NumPy views."""
+    return [(linear.weight.detach().numpy(), linear.bias.detach().numpy()) for linear in mlp[::2]]
+
+
+def numpy_mlp(layers: list, x: np.ndarray, inputs: Optional[list] = None) -> np.ndarray:
+    """x through Linear-tanh-Linear-tanh-Linear; `inputs` collects each layer's input."""
+    for index, (weight, bias) in enumerate(layers):
+        if inputs is not None:
+            inputs.append(x)
+        x = x @ weight.T + bias
+        if index < len(layers) - 1:
+            x = np.tanh(x)
+    return x
+
+
+def numpy_merge(stats: RunningMeanStd, batch: np.ndarray):
+    """RunningMeanStd.update on NumPy views of its tensors: a batch [n, *shape] merged in."""
+    count = len(batch)
+    batch_mean = np.add.reduce(batch, 0, np.float64) / count
+    batch_var = np.add.reduce((batch - batch_mean) ** 2, 0) / count
+    total, mean, var = stats.count + count, stats.mean.numpy(), stats.var.numpy()
+    delta = batch_mean - mean
+    var *= stats.count / total
+    var += batch_var * (count / total) + delta ** 2 * (stats.count * count / total ** 2)
+    mean += delta * (count / total)
+    stats.count = total
+
+
+def numpy_normalize(stats: RunningMeanStd, obs: np.ndarray, clip: float, update: bool = True):
+    """RunningMeanStd.normalize of rows of float32."""
+    if not stats.active:
+        return obs
+    if update:
+        numpy_merge(stats, obs)
+    scaled = (obs - stats.mean.numpy()) / np.sqrt(stats.var.numpy() + 1e-8)
+    return np.minimum(np.maximum(scaled, -clip), clip).astype(np.float32)
+
+
+class NumpyPlayer:
+    """Main.collect_rollout and Main.estimate_advantages in NumPy (see use_numpy_on_cpu)."""
+
+    def __init__(self, main: Main):
+        self.main, self.config, self.guard = main, main.config, main.guard
+        self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
+        self.log_std = main.model.log_std.detach().numpy()  # [1, action_size]
+
+    def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
+        """Main.collect_rollout, step for step (its comments say why); the noise is drawn from
+        torch's seeded generator once a rollout."""
+        main, config, guard, rollout = self.main, self.config, self.guard, self.main.rollout
+        games, pool_obs = main.games.workers[0].games, main.games.obs_array
+        obs, actions, log_probs, values, rewards_out, dones = (
+            tensor.numpy() for tensor in (rollout.obs, rollout.actions, rollout.log_probs,
+                                          rollout.values, rollout.rewards, rollout.dones))
+        low, high = (bound.numpy() for bound in guard.action_bounds)
+        log_std, std = self.log_std, np.exp(self.log_std)
+        noise = torch.randn(actions.shape).numpy()
+        returns, return_stats = main.discounted_returns.numpy(), main.return_stats
+        next_obs, episodes = next_obs.numpy(), []
+        for step in range(config.num_steps):
+            if guard.stop_at_once():
+                break
+            obs[step] = next_obs
+            mean = numpy_mlp(self.actor, next_obs)
+            values[step] = numpy_mlp(self.critic, next_obs)[:, 0]
+            actions[step] = sampled = mean + std * noise[step]
+            log_probs[step] = (-0.5 * ((sampled - mean) / std) ** 2 - log_std
+                               - 0.5 * math.log(2 * math.pi)).sum(-1)
+            sent = np.minimum(np.maximum(sampled, low), high)
+            steps = [game.step(action) for game, action in zip(games, sent)]
+            pool_obs[:] = [game_obs for game_obs, *_ in steps]
+            next_obs = numpy_normalize(main.obs_stats, pool_obs, config.obs_clip)
+            _, raw_rewards, terminated, truncated, infos = zip(*steps)
+            rewards = raw_rewards = np.array(raw_rewards, np.float32)
+            terminated, truncated = np.array(terminated), np.array(truncated)
+            ended = terminated | truncated
+            if return_stats.active:  # RunningMeanStd.scale
+                returns *= config.gamma
+                returns += rewards
+                numpy_merge(return_stats, returns)
+                returns[ended] = 0.0
+                rewards = rewards / np.float32(np.sqrt(return_stats.var.numpy() + 1e-8))
+                rewards = np.minimum(np.maximum(rewards, -config.reward_clip), config.reward_clip)
+            cut = truncated & ~terminated
+            if cut.any():
+                final_obs = np.stack([info.get("final_obs", row)
+                                      for info, row in zip(infos, pool_obs)])
+                last = numpy_normalize(main.obs_stats, final_obs, config.obs_clip, update=False)
+                rewards = rewards + config.gamma * numpy_mlp(self.critic, last)[:, 0] * cut
+            rewards_out[step], dones[step] = rewards, ended
+            main.global_step += guard.steps_per_step
+            if ended.any():  # for the episodes' records, what WorkerPool.step would give
+                episode = [info.get("episode", {"return": 0.0, "length": 0}) for info in infos]
+                result = (raw_rewards, terminated, truncated, pool_obs.copy(),
+                          np.array([e["return"] for e in episode]),
+                          np.array([e["length"] for e in episode], dtype=np.int64))
+                episodes.append((main.global_step, StepResult(*map(torch.from_numpy, result))))
+        guard.after_rollout(episodes)
+        return torch.from_numpy(next_obs)
+
+    def estimate_advantages(self, next_obs: torch.Tensor):
+        """Main.estimate_advantages: compute_gae's loop, a NumPy row of games a step."""
+        rollout, config = self.main.rollout, self.config
+        rewards, values, dones = (tensor.numpy() for tensor in (rollout.rewards, rollout.values,
+                                                                rollout.dones))
+        next_value = numpy_mlp(self.critic, next_obs.numpy())[:, 0]
+        advantages, next_advantage = np.zeros_like(rewards), np.zeros_like(next_value)
+        for t in reversed(range(len(rewards))):
+            not_done = 1.0 - dones[t]
+            delta = rewards[t] + config.gamma * next_value * not_done - values[t]
+            advantages[t] = next_advantage = (
+                delta + config.gamma * config.gae_lambda * not_done * next_advantage)
+            next_value = values[t]
+        advantages = torch.from_numpy(advantages)
+        return advantages, advantages + rollout.values
+
+
+class NumpyLearner:
+    """Trainer.gradient_step in NumPy (see use_numpy_on_cpu): Trainer.ppo_loss, its gradient by
+    the chain rule written out from the loss back to each weight, the global norm clipped, Adam's
+    step. The model's weights and Adam's moments move into one flat array each (the tensors stay,
+    their memory a view into it), so that clipping and Adam are a few operations on all at once."""
+
+    def __init__(self, main: Main):
+        self.config, optimizer = main.config, main.trainer.optimizer
+        named = list(main.model.named_parameters())  # the order of optimizer.params
+        total = sum(param.numel() for _, param in named)
+        self.params, self.exp_avg, self.exp_avg_sq, self.grad = (
+            np.zeros(total, np.float32) for _ in range(4))
+        self.grads, self.optimizer, offset = {}, optimizer, 0  # grads: name -> view of `grad`
+        for index, (name, param) in enumerate(named):
+            part, shape = slice(offset, offset + param.numel()), param.shape
+            param.data = torch.from_numpy(self.params[part]).view(shape).copy_(param.data)
+            for flat, moments in ((self.exp_avg, optimizer.exp_avg),
+                                  (self.exp_avg_sq, optimizer.exp_avg_sq)):
+                moments[index] = torch.from_numpy(flat[part]).view(shape).copy_(moments[index])
+            self.grads[name] = self.grad[part].reshape(shape)
+            offset += param.numel()
+        self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
+        self.log_std = main.model.log_std.detach().numpy()
+
+    def gradient_step(self, minibatch: Minibatch) -> dict:
+        config, (obs, actions, old_log_probs, advantages, returns, old_values) = (
+            self.config, (tensor.numpy() for tensor in minibatch))
+        n, clip, log_std = len(obs), self.config.clip_coef, self.log_std
+        actor_inputs, critic_inputs = [], []  # each layer's input, for its gradient
+        mean = numpy_mlp(self.actor, obs, actor_inputs)
+        new_values = numpy_mlp(self.critic, obs, critic_inputs)[:, 0]
+        std = np.exp(log_std)
+        z = (actions - mean) / std  # how far each sample is from the mean, in sigmas
+        new_log_probs = (-0.5 * z ** 2 - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        entropy = (0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum()
+        centred = advantages - advantages.sum() / n
+        advantages = centred / (np.sqrt((centred ** 2).sum() / (n - 1)) + 1e-8)
+        log_ratio = new_log_probs - old_log_probs
+        ratio = np.exp(log_ratio)
+        clipped_ratio = np.minimum(np.maximum(ratio, 1 - clip), 1 + clip)
+        unclipped_term, clipped_term = -advantages * ratio, -advantages * clipped_ratio
+        policy_loss = np.maximum(unclipped_term, clipped_term).sum() / n
+        # d loss / d ratio flows through the larger term (a tie splits it, as torch.max does);
+        # the clipped one passes it only inside [1 - eps, 1 + eps], where clamp is the identity.
+        inside = (ratio >= 1 - clip) & (ratio <= 1 + clip)
+        d_ratio = np.where(unclipped_term > clipped_term, -advantages,
+                           np.where(unclipped_term < clipped_term, -advantages * inside,
+                                    -advantages * (1 + inside) / 2)) / n
+        d_log_probs = d_ratio * ratio  # ratio = exp(log_ratio)
+        # log N(a; mu, sigma) = sum -z^2/2 - log sigma - log(2 pi)/2 with z = (a - mu) / sigma:
+        # d/d mu = z / sigma, d/d log sigma = z^2 - 1; the entropy term adds -ent_coef.
+        d_mean = d_log_probs[:, None] * z / std
+        self.grads["log_std"][...] = ((d_log_probs[:, None] * (z ** 2 - 1)).sum(0, keepdims=True)
+                                      - config.ent_coef)
+        squared = (new_values - returns) ** 2
+        d_squared = 2 * (new_values - returns)
+        if config.clip_value_loss:  # the larger of the two squares, as for the policy
+            moved = new_values - old_values
+            clipped_values = old_values + np.minimum(np.maximum(moved, -clip), clip)
+            clipped_squared = (clipped_values - returns) ** 2
+            d_clipped = 2 * (clipped_values - returns) * ((moved >= -clip) & (moved <= clip))
+            d_squared = np.where(squared > clipped_squared, d_squared,
+                                 np.where(squared < clipped_squared, d_clipped,
+                                          (d_squared + d_clipped) / 2))
+            squared = np.maximum(squared, clipped_squared)
+        value_loss = 0.5 * squared.sum() / n
+        d_values = d_squared * (0.5 * config.vf_coef / n)
+        self.backpropagate("critic", self.critic, critic_inputs, d_values[:, None])
+        self.backpropagate("actor", self.actor, actor_inputs, d_mean)
+        grad_norm = self.clip_and_step()
+        with np.errstate(all="ignore"):  # (a NaN is RunGuard's to report)
+            approx_kl = ((ratio - 1) - log_ratio).sum() / n
+            clip_fraction = (np.abs(ratio - 1) > clip).sum() / n
+        stats = torch.tensor([policy_loss, value_loss, entropy, approx_kl, clip_fraction,
+                              grad_norm], dtype=torch.float32)
+        return dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
+                         "grad_norm"), stats.unbind()))
+
+    def backpropagate(self, name: str, layers: list, inputs: list, d_out: np.ndarray):
+        """Through numpy_mlp, last layer first: for y = x W^T + b, dW = dy^T x, db = sum dy and
+        dx = dy W; through x = tanh(u), du = dx (1 - x^2). Writes dW and db into self.grads."""
+        for index in reversed(range(len(layers))):
+            x = inputs[index]
+            self.grads[f"{name}.{2 * index}.weight"][...] = d_out.T @ x
+            self.grads[f"{name}.{2 * index}.bias"][...] = d_out.sum(0)
+            if index > 0:
+                d_out = (d_out @ layers[index][0]) * (1 - x * x)
+
+    def clip_and_step(self) -> float:
+        """nn.utils.clip_grad_norm_ (the global norm scaled down to max_grad_norm), then `Adam`'s
+        step, on all weights at once. Returns the norm before clipping."""
+        optimizer, grad, m, v = self.optimizer, self.grad, self.exp_avg, self.exp_avg_sq
+        norm = float(np.sqrt(np.dot(grad, grad)))
+        grad *= np.float32(min(1.0, self.config.max_grad_norm / (norm + 1e-6)))
+        (beta1, beta2), optimizer.steps = optimizer.betas, optimizer.steps + 1
+        m += (1 - beta1) * (grad - m)
+        v *= beta2
+        v += (1 - beta2) * grad * grad
+        denominator = np.sqrt(v) / math.sqrt(1 - beta2 ** optimizer.steps) + optimizer.eps
+        params = self.params
+        params -= optimizer.lr / (1 - beta1 ** optimizer.steps) * m / denominator
+        return norm
+
+
 # ----- Adam and compilation -----------------------------------------------------------------------
 
 
@@ -1079,6 +1327,7 @@ class RunGuard:
         self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
         if main.config.compile:
             compile_learner(main)
+        use_numpy_on_cpu(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
         return main.global_step

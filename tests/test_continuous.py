@@ -1,6 +1,7 @@
 """ppo_continuous.py: the pieces against hand-computed or reference values (gymnasium's Pendulum,
 torch.distributions), then runs through the API and the command line: the running statistics in
 checkpoints, --eval and --resume, bad input, learning, reproducibility, Ctrl-C and torchrun."""
+import copy
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import gymnasium as gym
 import numpy as np
@@ -182,30 +184,35 @@ def test_reward_scaling_restarts_the_return_at_every_episode_end_truncation_incl
 # ----- inside a run -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("numpy_on_cpu", [False, True])
 def test_the_env_gets_clipped_actions_the_rollout_keeps_the_sampled_ones_and_ratio_starts_at_1(
-        tmp_path, monkeypatch):
+        numpy_on_cpu, tmp_path, monkeypatch):
     sent, first_ratios = [], []
-    step = pc.WorkerPool.step
+    game_step = pc.Game.step
 
-    def spy_step(self, actions):
-        sent.append(actions.clone())
-        return step(self, actions)
+    def spy_game_step(self, action):
+        sent.append(torch.as_tensor(action).clone())
+        return game_step(self, action)
 
-    gradient_step = pc.Trainer.gradient_step
+    def spy(gradient_step):
+        def spy_gradient_step(self, minibatch):
+            if not first_ratios:  # before the first gradient step: the recomputed log-probabilities
+                model = self.model if isinstance(self, pc.Trainer) else main.model
+                new_log_probs, _, _ = model.evaluate_actions(minibatch.obs, minibatch.actions)
+                first_ratios.append((new_log_probs - minibatch.old_log_probs).exp())
+            return gradient_step(self, minibatch)
+        return spy_gradient_step
 
-    def spy_gradient_step(self, minibatch):
-        if not first_ratios:  # before the first gradient step: the recomputed log-probabilities
-            new_log_probs, _, _ = self.model.evaluate_actions(minibatch.obs, minibatch.actions)
-            first_ratios.append((new_log_probs - minibatch.old_log_probs).exp())
-        return gradient_step(self, minibatch)
-
-    monkeypatch.setattr(pc.WorkerPool, "step", spy_step)
-    monkeypatch.setattr(pc.Trainer, "gradient_step", spy_gradient_step)
-    main = pc.Main(pc.Config(total_timesteps=BATCH, run_dir=str(tmp_path), **SMALL))
+    monkeypatch.setattr(pc.Game, "step", spy_game_step)
+    monkeypatch.setattr(pc.Trainer, "gradient_step", spy(pc.Trainer.gradient_step))
+    monkeypatch.setattr(pc.NumpyLearner, "gradient_step", spy(pc.NumpyLearner.gradient_step))
+    main = pc.Main(pc.Config(total_timesteps=BATCH, run_dir=str(tmp_path),
+                             numpy_on_cpu=numpy_on_cpu, **SMALL))
     main.run()
+    assert isinstance(getattr(main.collect_rollout, "__self__", None), pc.NumpyPlayer) == numpy_on_cpu
     stored = main.rollout.actions  # [num_steps, num_envs, 1]
-    assert len(sent) == 32 and (stored.abs() > 2).any()  # sigma 1: some samples beyond +-2
-    assert torch.equal(torch.stack(sent), stored.clamp(-2, 2))
+    assert len(sent) == 32 * 4 and (stored.abs() > 2).any()  # sigma 1: some samples beyond +-2
+    assert torch.equal(torch.stack(sent).view(32, 4, 1), stored.clamp(-2, 2))
     assert torch.allclose(first_ratios[0], torch.ones_like(first_ratios[0]), atol=1e-5)
 
 
@@ -265,6 +272,83 @@ def test_learns_pendulum(tmp_path):
     # 60 rollouts of 64 games x 16 steps: 4 whole episodes of 200 steps in each game.
     assert summary["steps"] == 60 * 1024 and summary["episodes"] == 64 * 4
     assert summary["mean_return_100"] > -800
+
+
+# ----- the NumPy path against the lesson's torch code ------------------------------------------
+
+
+@pytest.mark.parametrize("clip_value_loss", [False, True])
+def test_numpy_gradient_steps_match_autograd_and_adam(clip_value_loss):
+    torch.manual_seed(0)
+    config = pc.Config(clip_value_loss=clip_value_loss, ent_coef=0.01, max_grad_norm=0.1)
+    lesson_model = pc.Model(3, 2)
+    numpy_model = copy.deepcopy(lesson_model)
+    lesson, numpy_trainer = pc.Trainer(lesson_model, config), pc.Trainer(numpy_model, config)
+    fast = pc.NumpyLearner(types.SimpleNamespace(model=numpy_model, trainer=numpy_trainer,
+                                                 config=config))
+    n = 64
+    obs, actions = torch.randn(n, 3), torch.randn(n, 2)
+    with torch.no_grad():
+        old_log_probs, _, old_values = lesson_model.evaluate_actions(obs, actions)
+    # A player far from the learner: some ratios and values move beyond the clip range.
+    minibatch = pc.Minibatch(obs, actions, old_log_probs + 0.5 * torch.randn(n), torch.randn(n),
+                             torch.randn(n), old_values + 0.5 * torch.randn(n))
+    start = copy.deepcopy(lesson_model.state_dict())
+    for _ in range(3):
+        expected, got = lesson.gradient_step(minibatch), fast.gradient_step(minibatch)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key].item() == pytest.approx(value.item(), rel=1e-4, abs=1e-6), key
+    assert expected["grad_norm"] > config.max_grad_norm  # the clip scaled the step
+    assert 0 < expected["clip_fraction"] < 1
+    for name, param in lesson_model.state_dict().items():
+        torch.testing.assert_close(numpy_model.state_dict()[name], param, rtol=1e-4, atol=1e-6)
+        assert not torch.equal(param, start[name])
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for mine, theirs in zip(getattr(numpy_trainer.optimizer, kind),
+                                getattr(lesson.optimizer, kind)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-8)
+    assert numpy_trainer.optimizer.steps == lesson.optimizer.steps == 3
+
+
+def test_the_numpy_path_plays_and_learns_as_the_lesson(tmp_path, monkeypatch):
+    # Two rollouts of 100 steps: Pendulum's time limit cuts both games' episodes at the last step.
+    settings = dict(num_envs=2, num_steps=100, num_minibatches=4, update_epochs=2, device="cpu",
+                    total_timesteps=400, clip_value_loss=True)
+    numpy_main = pc.Main(pc.Config(run_dir=str(tmp_path / "numpy"), **settings))
+    numpy_summary = numpy_main.run()
+    assert isinstance(numpy_main.collect_rollout.__self__, pc.NumpyPlayer)
+    # The lesson samples a step at a time, the NumPy path a rollout at once: give the lesson the
+    # same noise, drawn as the NumPy path draws it (and so leaving the generator as it does).
+    steps, calls, block = settings["num_steps"], [], None
+
+    def rollout_noise(mean):  # step t of a rollout: row t of one draw for the whole rollout
+        nonlocal block
+        calls.append(len(calls) % steps)
+        if calls[-1] == 0:
+            block = torch.randn(steps, *mean.shape)
+        return block[calls[-1]]
+
+    monkeypatch.setattr(torch, "randn_like", rollout_noise)
+    lesson_main = pc.Main(pc.Config(run_dir=str(tmp_path / "lesson"), numpy_on_cpu=False,
+                                    **settings))
+    lesson_summary = lesson_main.run()
+    assert len(calls) == 200
+    assert numpy_summary["episodes"] == lesson_summary["episodes"] == 2
+    assert numpy_summary["mean_return_100"] == pytest.approx(lesson_summary["mean_return_100"],
+                                                             rel=1e-5)
+    for name in ("obs", "actions", "log_probs", "values", "rewards", "dones"):
+        torch.testing.assert_close(getattr(numpy_main.rollout, name),
+                                   getattr(lesson_main.rollout, name), rtol=1e-4, atol=1e-5)
+    assert numpy_main.rollout.dones[-1].all()  # the cut, its reward bootstrapped in both
+    for name, param in lesson_main.model.state_dict().items():
+        torch.testing.assert_close(numpy_main.model.state_dict()[name], param, rtol=1e-4,
+                                   atol=1e-5)
+    for stats in ("obs_stats", "return_stats"):
+        mine, theirs = getattr(numpy_main, stats), getattr(lesson_main, stats)
+        assert mine.count == theirs.count
+        torch.testing.assert_close(mine.mean, theirs.mean)
+        torch.testing.assert_close(mine.var, theirs.var)
 
 
 # ----- the command line -------------------------------------------------------------------------------
