@@ -415,7 +415,7 @@ class Main:
                                             active=config.normalize_observations)
             self.return_stats = RunningMeanStd((), guard.device, active=config.scale_rewards)
             self.discounted_returns = self.return_stats.mean.new_zeros(config.num_envs)  # R
-            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
+            self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, NumPy, torchrun
             # Workers of Games, or (--env-backend torch) Pendulum in tensors (tests/: the same game)
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, guard.action_size, guard.device)
@@ -499,9 +499,9 @@ class Main:
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on (Workers, or a Pendulum written in torch), Adam and compilation; `Ranks`
-# (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary); checkpoints;
-# evaluation and video; the input checks; the command line.
+# the games run on (Workers, or a Pendulum written in torch), the lesson's step in NumPy for the
+# CPU, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C, failures,
+# logging, summary); checkpoints; evaluation and video; the input checks; the command line.
 
 import copy
 import datetime
@@ -1313,7 +1313,7 @@ class RunGuard:
 
     def prepare_learner(self) -> int:
         """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
-        and compile (--compile). Returns the global step to start from."""
+        compile (--compile), take the NumPy path (--numpy-on-cpu). Returns the step to start at."""
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         main.anneal_from = (0, main.config.learning_rate)  # (step, rate): a resume may move it
