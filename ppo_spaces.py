@@ -75,7 +75,7 @@ class Config:
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
     total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
-    run_dir: Optional[str] = option(None, "logs, checkpoint, summary (default: under runs/)")
+    run_dir: Optional[str] = option(None, "logs, checkpoint, summary (None: a new folder in runs/)")
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
     checkpoint_every: int = option(100_000, "save a checkpoint every this many steps", "> 0")
@@ -1641,6 +1641,9 @@ def inspect_env(config: Config) -> EnvSpaces:
             gym.register_envs(ale_py)
         if registered in gym.registry:
             raise UsageError(f"{env_id} is an Atari game: use ppo_atari.py")
+        if registered.startswith(("MiniGrid-", "BabyAI-")) and not module:
+            raise UsageError(f"{env_id} comes with minigrid: pip install minigrid, then give "
+                             f"--env minigrid:{env_id} (the module registers it)")
         close = difflib.get_close_matches(registered, list(gym.registry), n=3, cutoff=0.6)
         hint = (f"; did you mean {' or '.join(close)}?" if close
                 else "; see gymnasium.pprint_registry()")

@@ -6,9 +6,16 @@ from gymnasium import spaces
 
 
 class HybridEnv(gym.Env):
-    """One step: see a mode (one of 3) and a target in [-1, 1]; act with a Dict of a choice and a
-    parameter. Reward: 1 - |parameter - target| if the choice is the mode, else 0. The optimum is 1
-    (choose the mode, set the parameter to the target); a random policy gets about 0.11."""
+    """A hybrid action: a Dict of a Discrete choice and a Box parameter. One step: see a mode m
+    (one of 3) and a target t in [-1, 1], both uniform; act with a choice c and a parameter p in
+    [-1, 1]. Reward: 1 - |p - t| if c = m, else 0.
+
+    The optimum is 1 a step. Since 1 - |p - t| <= 1 with equality only at p = t, and a wrong choice
+    gets 0 whatever p, the return is at most 1, reached by c = m, p = t (t lies inside p's bounds).
+    Uniformly random actions (c uniform, p uniform on [-1, 1], as action_space.sample() draws
+    them) get 1/9: the choice is right with probability 1/3, and for independent uniform p, t on
+    [-1, 1], E|p - t| = (1/4) * integral over the square of |p - t| = (1/4) * 8/3 = 2/3, so
+    E[1 - |p - t|] = 1/3 and the mean reward is 1/3 * 1/3 = 1/9 (about 0.111)."""
 
     observation_space = spaces.Dict({"mode": spaces.Discrete(3),
                                      "target": spaces.Box(-1, 1, (1,), np.float32)})

@@ -18,7 +18,8 @@ import torch
 
 from conftest import ROOT
 
-SCRIPTS = ["ppo_cartpole", "ppo_atari", "ppo_continuous", "ppo_memory", "ppo_multiagent"]
+SCRIPTS = [
+    "ppo_cartpole", "ppo_atari", "ppo_continuous", "ppo_memory", "ppo_multiagent", "ppo_spaces"]
 
 # Small runs: the flags of a rollout of ROLLOUT[script] steps (the unit of --total-timesteps: agent
 # steps for ppo_multiagent.py, whose simple_spread has 3 agents).
@@ -28,9 +29,10 @@ SMALL = {
     "ppo_continuous": ["--num-envs", 4, "--num-steps", 16, "--num-minibatches", 2],
     "ppo_memory": ["--num-envs", 4, "--num-steps", 16, "--num-minibatches", 2],
     "ppo_multiagent": ["--num-envs", 2, "--num-steps", 8, "--num-workers", 0],
+    "ppo_spaces": ["--num-envs", 4, "--num-steps", 16],
 }
 ROLLOUT = {"ppo_cartpole": 64, "ppo_atari": 64, "ppo_continuous": 64, "ppo_memory": 64,
-           "ppo_multiagent": 2 * 8 * 3}
+           "ppo_multiagent": 2 * 8 * 3, "ppo_spaces": 64}
 # Flags of every run: eager (compiling costs ppo_atari.py a minute) and on the CPU.
 RUN_FLAGS = {script: ["--device", "cpu"] for script in SCRIPTS}
 RUN_FLAGS["ppo_atari"] = ["--device", "cpu", "--no-compile"]
@@ -471,7 +473,8 @@ def test_a_cpu_run_prints_no_stray_warning(script, runs):
 # ----- 10. a refused env is sent to a script that plays it ---------------------------------------
 
 
-@pytest.mark.parametrize("script", [script for script in SCRIPTS if script != "ppo_multiagent"])
+@pytest.mark.parametrize("script", [script for script in SCRIPTS
+                                    if script not in ("ppo_multiagent", "ppo_spaces")])
 @pytest.mark.parametrize("env_id", ["FrozenLake-v1", "Blackjack-v1"])  # Discrete, Tuple observed
 def test_other_observation_spaces_are_sent_to_ppo_spaces_which_plays_them(script, env_id):
     module = importlib.import_module(script)

@@ -317,6 +317,16 @@ def test_an_image_a_direction_and_a_text_in_a_dict_and_a_tuple_observation(tmp_p
     assert blackjack["episodes"] > 0
 
 
+def test_minigrid_s_doorkey_plays_with_its_image_and_direction_and_its_mission_left_out(tmp_path, capsys):
+    import minigrid  # noqa: F401  (requirements-dev.txt; the benchmark's env)
+
+    summary = ps.Main(small_config(tmp_path, env="minigrid:MiniGrid-DoorKey-5x5-v0")).run()
+    assert summary["steps"] == 128
+    assert "observation mission (MissionSpace) left out: no fixed-size numbers to encode" in capsys.readouterr().out
+    doorkey = ps.inspect_env(ps.Config(env="minigrid:MiniGrid-DoorKey-5x5-v0"))
+    assert doorkey.obs_size == 1 + 7 * 7 * 3 and not doorkey.masked  # direction, image (keys sorted)
+
+
 def test_command_line_run_resume_and_eval_with_video_on_taxi(tmp_path):
     run_dir = tmp_path / "run"
     result = run_script(*SMALL, "--total-timesteps", 256, "--run-dir", run_dir)
@@ -363,6 +373,8 @@ def test_a_user_env_by_module_name_and_the_normaliser_in_the_checkpoint(tmp_path
      "MultiDiscrete and MultiBinary leaves in Dict and Tuple nests, and no script of this library handles "
      "other actions"),
     (["--env", "Taxi-v9"], "error: unknown env 'Taxi-v9'; did you mean Taxi-v4?"),
+    (["--env", "MiniGrid-DoorKey-5x5-v0"], "error: MiniGrid-DoorKey-5x5-v0 comes with minigrid: pip install "
+     "minigrid, then give --env minigrid:MiniGrid-DoorKey-5x5-v0 (the module registers it)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
     assert error_line(run_script(*SMALL, "--run-dir", tmp_path / "run", *args)) == line
