@@ -1,15 +1,19 @@
-"""PPO for many agents sharing one policy, on PettingZoo parallel envs (MPE2's simple_spread): the
-PPO paper (Schulman et al., 2017) with "The 37 Implementation Details of PPO" (Huang et al., 2022:
-"37 details") and the MAPPO paper (Yu et al., 2022), each cited where it is implemented.
+"""PPO for teams of agents, each team (policy group) sharing one policy, on PettingZoo parallel
+envs (MPE2's simple_spread by default): the PPO paper (Schulman et al., 2017) with "The 37
+Implementation Details of PPO" (Huang et al., 2022: "37 details") and the MAPPO paper (Yu et al.,
+2022), each cited where it is implemented.
 
 PPO plays a rollout with the current policy, learns from it for several epochs of minibatch steps,
 and clips the probability ratio rho_t = pi(a_t|s_t) / pi_old(a_t|s_t) so that the new policy stays
 near the one that played (`Trainer.ppo_loss` derives it); advantages come from the rewards r_t by
-GAE (`compute_gae`). Many agents: one network plays every agent of every env (parameter sharing),
-each agent's step a row of the batch (`Game`); the critic sees the env's global state (MAPPO) or
-the agent's own observation (`Model`); absent agents are masked out of every loss (`Trainer`).
+GAE (`compute_gae`). Many agents: agents of one kind (same observations and actions) form a policy
+group, one network playing every agent of its group in every env (parameter sharing), each agent's
+step a row of its group's batch (`assign_groups`, `Game`): predators and prey get a network each.
+The critic sees the env's global state (MAPPO) or the agent's own observation (`Model`); absent
+agents are masked out of every loss (`Trainer`). Discrete actions: a softmax; Box: a Gaussian.
 
 Run it:         python ppo_multiagent.py   (--help lists every flag; --env-kwargs N=5: 5 agents)
+Two teams:      python ppo_multiagent.py --env mpe2.simple_tag_v3  (adversary, agent; --groups)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_multiagent.py  (data parallel)
 In a notebook:  from ppo_multiagent import Config, Main; Main(Config(total_timesteps=60_000)).run()
 """
@@ -20,6 +24,7 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
+import os
 import pkgutil
 import typing
 from typing import Optional
@@ -47,14 +52,17 @@ class Config:
     clip_value_loss: bool = option(False, "clip the value update too")
     ent_coef: float = option(0.01, "weight of the entropy bonus", ">= 0")
     vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
-    max_grad_norm: float = option(10.0, "clip the global gradient norm to this (MAPPO: 10)", "> 0")
+    max_grad_norm: float = option(10.0, "clip each group's gradient norm to this (MAPPO: 10)",
+                                  "> 0")
     target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
     hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs", "> 0")
-    agent_id: bool = option(False, "show each agent a one-hot of its index (the policy's input)")
+    agent_id: bool = option(False, "show each agent a one-hot of its index in its group")
     central_value: bool = option(True, "the critic sees the global state and agent id (MAPPO)")
     # Collecting experience.
     env: str = option("mpe2.simple_spread_v3", "PettingZoo parallel env, as module.name")
     env_kwargs: str = option("", "the env's own options, e.g. N=5,local_ratio=0.3")
+    groups: str = option("", "name prefix=group, e.g. adversary=predators,agent=prey; empty: a "
+                         "group per kind of agent, named by its agents' common prefix")
     num_envs: int = option(16, "envs played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(2, "child processes that run the envs (0 = in this process)", ">= 0")
     num_steps: int = option(25, "env steps per env in each rollout", "> 0")
@@ -66,6 +74,8 @@ class Config:
         None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop when 100 episodes average this per agent")
+    target_group: str = option("", "--target-return is this group's return per agent; empty: "
+                               "all agents'")
     checkpoint_every: int = option(200_000, "save a checkpoint every this many steps", "> 0")
     resume: Optional[str] = option(None, "continue training from this checkpoint or run folder")
     eval: Optional[str] = option(None, "play --eval-episodes episodes with this checkpoint or run")
@@ -110,20 +120,50 @@ import torch
 import torch.nn as nn
 
 
+def assign_groups(agents: list, kinds: list, prefixes: dict) -> dict:
+    """Policy groups, {group name: slots of its agents}. A group's agents share one actor-critic,
+    so they must observe and act alike: predators and their prey need a network each. By default
+    one group per kind (`kinds[slot]`: that agent's observation and action spaces), named by its
+    agents' common name prefix (adversary_0, adversary_1 -> "adversary"). With `prefixes`
+    ({name prefix: group}, from --groups) an agent joins the group of the longest prefix its name
+    starts with (as agent-to-policy maps by name do); one that matches none is a ValueError."""
+    groups = {}
+    for slot, agent in enumerate(agents):
+        matches = [prefix for prefix in prefixes if agent.startswith(prefix)]
+        if prefixes and not matches:
+            raise ValueError(f"agent {agent} matches no name prefix of --groups")
+        key = prefixes[max(matches, key=len)] if prefixes else kinds[slot]
+        groups.setdefault(key, []).append(slot)
+    if prefixes:
+        return groups
+    named = {}  # each kind's name: its agents' common prefix, without _<number>
+    for slots in groups.values():
+        name = os.path.commonprefix([agents[slot] for slot in slots]).rstrip("_0123456789")
+        named[name if name and name not in named else f"{name or 'group'}{len(named)}"] = slots
+    return named
+
+
 class Game:
-    """One PettingZoo parallel env whose agents the shared policy plays; each value is an array over
-    its agent slots (`possible_agents`). An agent's row, what the networks read: its observation;
-    with --agent-id a one-hot of its slot (so that alike agents can act apart); with --central-value
-    the env's global state and the one-hot again (the critic's input). An absent agent (done early,
-    or not yet there) has a row of zeros and `present` False. `info["final_obs"]` holds the last
-    rows of agents whose episode ended (`_final_obs` marks them); all done, it restarts at once."""
+    """One PettingZoo parallel env whose agents the groups' policies play; each value is an array
+    over its agent slots (`possible_agents`). An agent's row, what its group's networks read: its
+    observation; with --agent-id a one-hot of its place in its group (so that alike agents can act
+    apart); with --central-value the env's global state and the one-hot again (the critic's input);
+    zeros up to `width` (the widest group's). An absent agent (done early, or not yet there) has a
+    row of zeros and `present` False. `info["final_obs"]` holds the last rows of agents whose
+    episode ended (`_final_obs` marks them); all done, it restarts at once."""
 
     def __init__(self, env_id: str, seed: int, env_kwargs: Optional[dict] = None,
-                 agent_id: bool = False, central_value: bool = False):
+                 agent_id: bool = False, central_value: bool = False,
+                 groups: Optional[dict] = None, width: int = 0):
         self.env = pkgutil.resolve_name(env_id).parallel_env(**(env_kwargs or {}))
         self.agents = list(self.env.possible_agents)
-        self.num_agents, self.one_hot = len(self.agents), np.eye(len(self.agents), dtype=np.float32)
-        self.seed, self.agent_id, self.central_value = seed, agent_id, central_value
+        self.num_agents, self.seed, self.width = len(self.agents), seed, width
+        self.groups = groups or {"all": list(range(self.num_agents))}  # {name: slots}
+        # Each slot's one-hot within its group; a Discrete action is one number, a Box a vector.
+        self.one_hot = {slot: np.eye(len(slots), dtype=np.float32)[i]
+                        for slots in self.groups.values() for i, slot in enumerate(slots)}
+        self.discrete = [self.env.action_space(agent).shape == () for agent in self.agents]
+        self.agent_id, self.central_value = agent_id, central_value
 
     def reset(self) -> np.ndarray:
         # Seed only the first reset: later restarts continue the env's own random stream.
@@ -137,17 +177,22 @@ class Game:
         self.ever_present |= self.present
         return self.rows(observations, self.present)
 
-    def rows(self, observations: dict, which) -> np.ndarray:  # [agents, row size]: 0 unless which
+    def rows(self, observations: dict, which) -> np.ndarray:  # [agents, width]: 0 unless which
         state = np.asarray(self.env.state(), np.float32).ravel() if self.central_value else None
         rows = {slot: np.concatenate([np.asarray(observations[agent], np.float32).ravel()]
                                      + [self.one_hot[slot]] * self.agent_id
                                      + [state, self.one_hot[slot]] * self.central_value)
                 for slot, agent in enumerate(self.agents) if which[slot]}
-        absent = np.zeros(len(next(iter(rows.values()))), np.float32)
-        return np.stack([rows.get(slot, absent) for slot in range(self.num_agents)])
+        padded = np.zeros((self.num_agents, self.width or max(map(len, rows.values()))),
+                          np.float32)
+        for slot, row in rows.items():
+            padded[slot, :len(row)] = row
+        return padded
 
-    def step(self, actions: np.ndarray):  # one action per slot (an absent agent's is unused)
-        acting = {agent: int(actions[i]) for i, agent in enumerate(self.agents) if self.present[i]}
+    def step(self, actions: np.ndarray):  # [agents, columns]: a slot's action (unused if absent)
+        acting = {agent: int(actions[i, 0]) if self.discrete[i] else
+                  actions[i, :self.env.action_space(agent).shape[0]]
+                  for i, agent in enumerate(self.agents) if self.present[i]}
         observations, rewards, terminations, truncations, _ = self.env.step(acting)
         reward = np.array([rewards.get(agent, 0.0) for agent in self.agents], np.float32)
         terminated, truncated = (np.array([bool(flags.get(agent, False)) for agent in self.agents])
@@ -158,9 +203,13 @@ class Game:
             info["_final_obs"], info["final_obs"] = ended, self.rows(observations, ended)
         if self.env.agents:
             return self.observe(observations), reward, terminated, truncated, info
-        played = self.returns[self.ever_present]  # all done: returns per agent (mean), per team
-        info["episode"] = {"return": float(played.mean()), "team_return": float(played.sum()),
-                           "length": self.length}
+        # All done: returns per agent (the mean) and per team (the sum), of all and of each group.
+        team = lambda slots: self.returns[slots][self.ever_present[slots]]  # noqa: E731
+        info["episode"] = {"return": float(team(slice(None)).mean()),
+                           "team_return": float(team(slice(None)).sum()), "length": self.length,
+                           "groups": {name: {"return": float(team(slots).mean()),
+                                             "team_return": float(team(slots).sum())}
+                                      for name, slots in self.groups.items()}}
         return self.reset(), reward, terminated, truncated, info
 
 
@@ -221,40 +270,65 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 
 
 class Model(nn.Module):
-    """The actor-critic all agents share: separate policy and value MLPs, 64-64 tanh (37 details,
-    #13). The policy reads a row's first `policy_size` columns (`Game`), what its agent sees alone;
-    the critic the rest with --central-value (MAPPO paper, section 4: the global state and whose
-    value it is), else the policy's columns. Value normalisation (MAPPO, suggestion 1): V comes in
-    units of the running mean and std of all value targets so far (buffers, updated in `learn`)."""
+    """The actor-critic of one group, shared by its agents: separate policy and value MLPs, 64-64
+    tanh (37 details, #13). The policy reads a row's first `policy_size` columns (`Game`), what its
+    agent sees alone; the critic the next `value_size` with --central-value (MAPPO paper, section 4:
+    the global state and whose value it is), else the policy's columns. Value normalisation (MAPPO,
+    suggestion 1): V in units of the running mean and std of the group's value targets (buffers,
+    updated in `learn`). Discrete actions: a softmax. Box actions (`continuous`), as in
+    ppo_continuous.py: a Gaussian around the actor's output whose log std (one per dimension, from
+    0) depends on no state; the dimensions are independent: their log-probabilities sum."""
 
-    def __init__(self, policy_size, value_size, num_actions, central_value, hidden_size=64):
+    def __init__(self, policy_size, value_size, num_actions, central_value, hidden_size=64,
+                 continuous=False):
         super().__init__()
-        self.policy_size, self.central_value = policy_size, central_value
+        self.policy_size, self.value_size = policy_size, value_size
+        self.central_value, self.continuous = central_value, continuous
         mlp = lambda inputs, outputs, gain: nn.Sequential(  # noqa: E731
             layer(inputs, hidden_size), nn.Tanh(), layer(hidden_size, hidden_size), nn.Tanh(),
             layer(hidden_size, outputs, gain))
         self.critic, self.actor = mlp(value_size, 1, 1.0), mlp(policy_size, num_actions, 0.01)
+        if continuous:
+            self.log_std = nn.Parameter(torch.zeros(1, num_actions))
         # Buffers, not parameters: saved with the weights, never moved by the optimizer.
         self.register_buffer("return_mean", torch.zeros(()))
         self.register_buffer("return_std", torch.ones(()))
         self.register_buffer("return_count", torch.zeros((), dtype=torch.float64))
 
     def value(self, rows: torch.Tensor) -> torch.Tensor:
-        columns = slice(self.policy_size, None) if self.central_value else slice(self.policy_size)
-        return self.critic(rows[:, columns]).squeeze(-1) * self.return_std + self.return_mean
+        start = self.policy_size if self.central_value else 0
+        values = self.critic(rows[:, start:start + self.value_size]).squeeze(-1)
+        return values * self.return_std + self.return_mean
 
-    def log_probs(self, rows: torch.Tensor) -> torch.Tensor:  # of each action: [batch, actions]
-        return torch.log_softmax(self.actor(rows[:, :self.policy_size]), dim=-1)
+    @staticmethod
+    def gaussian_log_prob(actions, mean, log_std) -> torch.Tensor:
+        """log N(a; mu, sigma) summed over the action dimensions: [batch].
+        $\\sum_i -(a_i - \\mu_i)^2 / (2\\sigma_i^2) - \\log\\sigma_i - \\tfrac12 \\log 2\\pi$"""
+        squared = ((actions - mean) / log_std.exp()) ** 2
+        return (-0.5 * squared - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
 
     def act(self, rows: torch.Tensor, greedy: bool = False):  # actions, log-probabilities, values
-        log_probs = self.log_probs(rows)
-        actions = log_probs.argmax(-1) if greedy else torch.multinomial(log_probs.exp(), 1)[:, 0]
-        return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1), self.value(rows)
+        output = self.actor(rows[:, :self.policy_size])
+        if self.continuous:  # the sampled action, unbounded: the trainer clips what the env gets
+            actions = output if greedy else output + self.log_std.exp() * torch.randn_like(output)
+            log_prob = self.gaussian_log_prob(actions, output, self.log_std.expand_as(output))
+        else:
+            log_probs = torch.log_softmax(output, dim=-1)  # of each action: [batch, actions]
+            actions = (log_probs.argmax(-1) if greedy
+                       else torch.multinomial(log_probs.exp(), 1)[:, 0])
+            log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        return actions, log_prob, self.value(rows)
 
     def evaluate_actions(self, rows: torch.Tensor, actions: torch.Tensor):  # for the loss
-        log_probs = self.log_probs(rows)
-        log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)  # of the taken actions
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        output = self.actor(rows[:, :self.policy_size])
+        if self.continuous:
+            log_prob = self.gaussian_log_prob(actions, output, self.log_std.expand_as(output))
+            # The same in every state: $H = \sum_i \log(2\pi e \sigma_i^2) / 2$
+            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + self.log_std).sum(-1).expand(len(rows))
+        else:
+            log_probs = torch.log_softmax(output, dim=-1)
+            log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)  # of those taken
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
         return log_prob, entropy, self.value(rows)
 
 
@@ -293,10 +367,10 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
 
 
 class Minibatch(typing.NamedTuple):
-    """A shuffled slice of the rollout, one row per agent step: what the Trainer learns from."""
+    """A shuffled slice of a group's rollout, a row per agent step: what the Trainer learns from."""
 
     obs: torch.Tensor  # [batch, row size], the rows the networks read
-    actions: torch.Tensor  # [batch], the actions taken
+    actions: torch.Tensor  # [batch] (Discrete: the index) or [batch, dims] (Box: as sampled)
     old_log_probs: torch.Tensor  # their log-probabilities then
     advantages: torch.Tensor  # from GAE
     returns: torch.Tensor  # the value targets: advantages + old values
@@ -305,12 +379,20 @@ class Minibatch(typing.NamedTuple):
 
 
 class Rollout:
-    """The rollout buffer, [num_steps, rows] (a row per agent of each env), on the device."""
+    """One group's rollout buffer, [num_steps, rows] (a row per agent of the group in each env), on
+    the device. `rows` says where those are among all the envs' rows (agent slot s of env e: row
+    e * num_agents + s), `place` the reverse."""
 
-    def __init__(self, config: Config, num_agents: int, row_size: int, device: torch.device):
-        shape = (config.num_steps, config.num_envs * num_agents)
-        self.obs = torch.zeros(shape + (row_size,), device=device)
-        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+    def __init__(self, config: Config, group, num_agents: int, device: torch.device):
+        self.rows = torch.tensor([env * num_agents + slot for env in range(config.num_envs)
+                                  for slot in group.slots], device=device)
+        self.place = {row: i for i, row in enumerate(self.rows.tolist())}
+        self.row_size, shape = group.row_size, (config.num_steps, len(self.rows))
+        self.bounds = (torch.tensor(group.low, device=device),  # of a Box action
+                       torch.tensor(group.high, device=device)) if group.continuous else None
+        self.obs = torch.zeros(shape + (group.row_size,), device=device)
+        self.actions = (torch.zeros(shape + (group.num_actions,), device=device) if group.continuous
+                        else torch.zeros(shape, dtype=torch.long, device=device))
         # The actions' log-probabilities and values then; mask: 1 where the agent is present.
         self.log_probs, self.values, self.rewards, self.dones, self.mask = (
             torch.zeros(shape, device=device) for _ in range(5))
@@ -322,12 +404,13 @@ class Rollout:
 
 
 class Trainer:
-    """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, gradient clip."""
+    """One PPO step on a minibatch of every group: clipped surrogate, value loss, entropy bonus,
+    gradient clip. `models`: each group's Model, by group name."""
 
-    def __init__(self, model: Model, config: Config):
-        self.model, self.config = model, config
+    def __init__(self, models: nn.ModuleDict, config: Config):
+        self.models, self.config = models, config
         # Adam, eps 1e-5 (37 details, #3), written out below: torch.optim's first use costs ~1 s.
-        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.optimizer = Adam(models.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -382,18 +465,30 @@ class Trainer:
                      "clip_fraction": mean(((ratio - 1).abs() > config.clip_coef).float())}
         return loss, stats
 
-    def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
-        evaluated = self.model.evaluate_actions(minibatch.obs, minibatch.actions)
-        return self.ppo_loss(minibatch, *evaluated, self.config, self.model.return_std)
+    def compute_loss(self, minibatches: dict):  # under the current weights (--compile's part)
+        """Each group's loss from its own rows and network, summed. A group's weights get only its
+        own loss's gradient (the others' do not depend on them): one backward pass and one Adam
+        step update every group as separate PPO updates would. The diagnostics: groups' means."""
+        losses, stats = [], []
+        for name, minibatch in minibatches.items():
+            model = self.models[name]
+            evaluated = model.evaluate_actions(minibatch.obs, minibatch.actions)
+            loss, group_stats = self.ppo_loss(minibatch, *evaluated, self.config, model.return_std)
+            losses.append(loss)
+            stats.append(group_stats)
+        return torch.stack(losses).sum(), {key: torch.stack([group[key] for group in stats]).mean()
+                                           for key in stats[0]}
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
-        loss, stats = self.compute_loss(minibatch)
+    def gradient_step(self, minibatches: dict) -> dict:  # the diagnostics, as tensors
+        loss, stats = self.compute_loss(minibatches)
         self.optimizer.zero_grad()
         loss.backward()
-        self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
-        # Global gradient clipping (37 details, #11): a rare huge step cannot undo the policy.
-        stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                      self.config.max_grad_norm)
+        self.average_gradients(self.models.parameters())  # hook: under torchrun, the ranks' mean
+        # Gradient clipping (37 details, #11), by each group's norm: a rare huge step cannot undo
+        # a policy, and one group's gradients never shrink another's step.
+        stats["grad_norm"] = torch.stack([
+            nn.utils.clip_grad_norm_(model.parameters(), self.config.max_grad_norm)
+            for model in self.models.values()]).mean()
         self.optimizer.step()
         return stats
 
@@ -411,13 +506,16 @@ class Main:
     def train(self) -> dict:
         self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
         with self.guard as guard:
-            config = self.config  # (the checkpoint's settings, when resuming)
-            self.model = Model(guard.policy_size, guard.value_size, guard.spec.num_actions,
-                               config.central_value, config.hidden_size).to(guard.device)
-            self.trainer = Trainer(self.model, config)
+            config, groups = self.config, guard.spec.groups  # (the checkpoint's, when resuming)
+            self.models = nn.ModuleDict({  # a network per group, sized to its agents' spaces
+                group.name: Model(group.policy_size, group.value_size, group.num_actions,
+                                  config.central_value, config.hidden_size, group.continuous)
+                for group in groups}).to(guard.device)
+            self.trainer = Trainer(self.models, config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
             self.games = guard.start_games()  # Workers; rows through shared memory
-            self.rollout = Rollout(config, guard.spec.num_agents, guard.row_size, guard.device)
+            self.rollouts = {group.name: Rollout(config, group, guard.spec.num_agents,
+                                                 guard.device) for group in groups}
             next_obs = self.games.observations()
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
@@ -438,49 +536,71 @@ class Main:
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps of every env into the rollout (a row per agent); the next rows."""
-        config, rollout, device, ended = self.config, self.rollout, self.guard.device, []
+        """Play num_steps steps of every env into the groups' rollouts (a row per agent); the next
+        rows (of all agents: each group reads its own)."""
+        config, device, ended = self.config, self.guard.device, []
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
                 break
-            rollout.obs[step], rollout.mask[step] = next_obs, self.games.present()
-            actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
-            rollout.actions[step] = actions
-            result = self.games.step(actions.cpu().numpy())
+            present = self.games.present()
+            # What the envs get: a row per agent (a Discrete action's index, a Box action's numbers)
+            env_actions = torch.zeros(len(next_obs), self.guard.spec.action_columns, device=device)
+            for name, rollout in self.rollouts.items():  # each group plays its own agents
+                rows, model = next_obs[rollout.rows, :rollout.row_size], self.models[name]
+                rollout.obs[step], rollout.mask[step] = rows, present[rollout.rows]
+                actions, rollout.log_probs[step], rollout.values[step] = model.act(rows)
+                rollout.actions[step] = actions  # Box: as sampled; the env gets it clipped
+                sent = actions.clamp(*rollout.bounds) if rollout.bounds else actions[:, None]
+                env_actions[rollout.rows, :sent.shape[1]] = sent.to(env_actions.dtype)
+            result = self.games.step(env_actions.cpu().numpy())
             next_obs = self.games.observations()
-            rollout.rewards[step] = torch.from_numpy(result.rewards)
-            # Truncation is not death: an episode cut by a time limit (as simple_spread's are, after
-            # 25 steps) would have gone on, so its last reward gets gamma * V(final row).
-            cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
-            if cut:
-                final_rows = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
-                rollout.rewards[step, cut] += config.gamma * self.model.value(final_rows.to(device))
-            # An absent agent's row is done too, so that GAE never links steps across its absence.
+            rewards = torch.from_numpy(result.rewards).to(device)
             ends = torch.from_numpy(result.terminated | result.truncated).to(device)
-            rollout.dones[step] = torch.maximum(ends.float(), 1 - rollout.mask[step])
+            for name, rollout in self.rollouts.items():
+                rollout.rewards[step] = rewards[rollout.rows]
+                # Truncation is not death: an episode cut by a time limit (as MPE2's are, after 25
+                # steps) would have gone on, so its last reward gets gamma * V(final row).
+                cut = [row for row in result.final_obs if row in rollout.place
+                       and result.truncated[row] and not result.terminated[row]]
+                if cut:
+                    final_rows = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
+                    value = self.models[name].value(final_rows[:, :rollout.row_size].to(device))
+                    places = [rollout.place[row] for row in cut]
+                    rollout.rewards[step, places] += config.gamma * value
+                # An absent agent's row is done too, so that GAE never links steps across it.
+                rollout.dones[step] = torch.maximum(ends[rollout.rows].float(),
+                                                    1 - rollout.mask[step])
             self.global_step += self.guard.steps_per_step  # agent rows of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
         return next_obs
 
     @torch.no_grad()
-    def estimate_advantages(self, next_obs: torch.Tensor):  # GAE: advantages, returns [steps, rows]
-        rollout, last_value = self.rollout, self.model.value(next_obs)
-        advantages = compute_gae(rollout.rewards, rollout.values, rollout.dones, last_value,
-                                 self.config.gamma, self.config.gae_lambda)
-        return advantages, advantages + rollout.values
+    def estimate_advantages(self, next_obs: torch.Tensor):  # GAE by group: {name: [steps, rows]}
+        advantages, returns = {}, {}
+        for name, rollout in self.rollouts.items():
+            last_value = self.models[name].value(next_obs[rollout.rows, :rollout.row_size])
+            advantages[name] = compute_gae(rollout.rewards, rollout.values, rollout.dones,
+                                           last_value, self.config.gamma, self.config.gae_lambda)
+            returns[name] = advantages[name] + rollout.values
+        return advantages, returns
 
-    def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-        """update_epochs passes over the rollout in shuffled minibatches; the mean diagnostics."""
-        config, rollout, steps = self.config, self.rollout, []
-        # Value normalisation (Model): the present agents' targets join the running statistics.
-        self.guard.track_returns(returns[rollout.mask > 0])
-        batch_size, size = returns.numel(), returns.numel() // config.num_minibatches
+    def learn(self, advantages: dict, returns: dict) -> dict:
+        """update_epochs passes over the rollouts in shuffled minibatches; the mean diagnostics.
+        Each group's rows are shuffled apart, so every minibatch holds its share of each group."""
+        config, steps, device = self.config, [], self.guard.device
+        for name, rollout in self.rollouts.items():  # value normalisation (Model), present rows
+            self.guard.track_returns(self.models[name], returns[name][rollout.mask > 0])
         for epoch in range(config.update_epochs):
-            order = torch.randperm(batch_size, device=self.guard.device)
-            for start in range(0, batch_size, size):  # minibatches of `size` rows
-                minibatch = rollout.minibatch(order[start:start + size], advantages, returns)
-                steps.append(self.trainer.gradient_step(minibatch))  # diagnostics, as tensors
+            orders = {name: torch.randperm(returns[name].numel(), device=device)
+                      for name in self.rollouts}
+            for k in range(config.num_minibatches):
+                minibatches = {}
+                for name, rollout in self.rollouts.items():
+                    size = returns[name].numel() // config.num_minibatches  # rows of the group
+                    indices = orders[name][k * size:(k + 1) * size]
+                    minibatches[name] = rollout.minibatch(indices, advantages[name], returns[name])
+                steps.append(self.trainer.gradient_step(minibatches))  # diagnostics, as tensors
             # Early stop (37 details, #12, optional): by the ranks' mean, so that all stop together.
             if (config.target_kl is not None
                     and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
@@ -488,7 +608,9 @@ class Main:
         stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
                  for key in steps[0]}  # the only host sync of the update
         # Explained variance: 1 when V predicts the present agents' returns, 0 if not (or constant).
-        values, targets = rollout.values[rollout.mask > 0], returns[rollout.mask > 0]
+        values, targets = (torch.cat(part) for part in zip(*(
+            (rollout.values[rollout.mask > 0], returns[name][rollout.mask > 0])
+            for name, rollout in self.rollouts.items())))
         variance = targets.var().item() if len(targets) > 1 else 0.0
         stats["explained_variance"] = variance and 1 - (targets - values).var().item() / variance
         return stats
@@ -509,7 +631,6 @@ import importlib
 import json
 import logging
 import multiprocessing.connection
-import os
 import random
 import signal
 import sys
@@ -623,11 +744,10 @@ class WorkerPool:
     (shared memory with child processes), env-major (row e * num_agents + a holds agent a of env e),
     read as a tensor without a copy."""
 
-    def __init__(self, config: Config, spec: "EnvSpec", row_size: int, first_seed: int,
-                 device: torch.device):
+    def __init__(self, config: Config, spec: "EnvSpec", first_seed: int, device: torch.device):
         self.device, self.workers, self.shared_obs = device, [], None
         agents = spec.num_agents
-        shape = (config.num_envs * agents, row_size)
+        shape = (config.num_envs * agents, max(group.row_size for group in spec.groups))
         if config.num_workers == 0:
             self.obs_array = np.zeros(shape, dtype=np.float32)
         else:
@@ -635,7 +755,8 @@ class WorkerPool:
             self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
         worker_class = GuardedWorker if config.num_workers else InProcessWorker
         options = {"env_kwargs": parse_env_kwargs(config.env_kwargs), "agent_id": config.agent_id,
-                   "central_value": config.central_value}
+                   "central_value": config.central_value, "width": shape[1],
+                   "groups": {group.name: group.slots for group in spec.groups}}
         games_per_worker = config.num_envs // max(config.num_workers, 1)
         try:
             for index in range(max(config.num_workers, 1)):
@@ -755,22 +876,26 @@ def compile_learner(main: Main):
     names. Both are compiled here, on inputs of the sizes they will see, so that a machine that
     cannot compile falls back to eager at once, with a warning."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
-    model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
-    networks = (model.actor, model.critic)
+    models, trainer, config, guard = main.models, main.trainer, main.config, main.guard
+    networks = [network for model in models.values() for network in (model.actor, model.critic)]
     eager_forwards, eager_loss = [network.forward for network in networks], trainer.compute_loss
-    batch_rows = config.num_envs * guard.spec.num_agents  # one step of every env
-    rows = batch_rows * config.num_steps // config.num_minibatches
     try:
         for network, forward in zip(networks, eager_forwards):
             network.forward = torch.compile(forward)
         trainer.compute_loss = torch.compile(eager_loss)
-        with torch.no_grad():
-            model.act(torch.zeros(batch_rows, guard.row_size, device=guard.device))
-        zeros = torch.zeros(rows, device=guard.device)
-        actions = torch.zeros(rows, dtype=torch.long, device=guard.device)
-        obs = torch.zeros(rows, guard.row_size, device=guard.device)
-        loss, _ = trainer.compute_loss(Minibatch(obs, actions, zeros, zeros + 1, zeros, zeros,
-                                                 zeros + 1))
+        minibatches = {}
+        for group in guard.spec.groups:  # a step of every env, and a minibatch, of each group
+            batch_rows = config.num_envs * len(group.slots)
+            rows = batch_rows * config.num_steps // config.num_minibatches
+            with torch.no_grad():
+                models[group.name].act(torch.zeros(batch_rows, group.row_size, device=guard.device))
+            zeros = torch.zeros(rows, device=guard.device)
+            actions = (torch.zeros(rows, group.num_actions, device=guard.device) if group.continuous
+                       else torch.zeros(rows, dtype=torch.long, device=guard.device))
+            obs = torch.zeros(rows, group.row_size, device=guard.device)
+            minibatches[group.name] = Minibatch(obs, actions, zeros, zeros + 1, zeros, zeros,
+                                                zeros + 1)
+        loss, _ = trainer.compute_loss(minibatches)
         loss.backward()
         trainer.optimizer.zero_grad()
     except Exception as error:
@@ -952,10 +1077,8 @@ class RunGuard:
         check_settings(self.config)
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
         config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
-        self.spec = inspect_env(config.env, parse_env_kwargs(config.env_kwargs),
-                                config.central_value)
-        check_settings(config, self.spec.num_agents)
-        self.policy_size, self.value_size, self.row_size = row_sizes(self.spec, config)
+        self.spec = inspect_env(config)
+        check_settings(config, self.spec)
         self.ranks = Ranks(pick_device(config.device))  # torchrun's ranks (alone, a world of one)
         self.device = self.ranks.device
         self.steps_per_step = config.num_envs * self.spec.num_agents * self.ranks.world_size
@@ -985,7 +1108,7 @@ class RunGuard:
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
         self.log.start()  # the start-up block
-        self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
+        self.ranks.copy_from_rank_0(main.models.state_dict().values())  # the same start everywhere
         if main.config.compile:
             compile_learner(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
@@ -994,7 +1117,7 @@ class RunGuard:
 
     def start_games(self) -> WorkerPool:  # env i of rank r is seeded with seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        self.games = WorkerPool(self.config, self.spec, self.row_size, first_seed, self.device)
+        self.games = WorkerPool(self.config, self.spec, first_seed, self.device)
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1003,8 +1126,8 @@ class RunGuard:
     def mean(self, value):  # over the ranks, of a number or of each of a list (alone: the value)
         return self.ranks.mean(value) if isinstance(value, list) else self.ranks.mean([value])[0]
 
-    def track_returns(self, targets: torch.Tensor):  # value normalisation's statistics (Model)
-        merge_returns(self.main.model, targets, self.mean)
+    def track_returns(self, model: Model, targets: torch.Tensor):  # value normalisation (Model)
+        merge_returns(model, targets, self.mean)
 
     def after_rollout(self, ended: list):
         """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
@@ -1048,7 +1171,7 @@ class RunGuard:
                 restore_learner(self.main, self.last_good_learner)
             if failure is None:  # all ranks are here together: check they trained the same network
                 try:
-                    self.ranks.check_same(self.main.model.state_dict().values())
+                    self.ranks.check_same(self.main.models.state_dict().values())
                 except RankError as mismatch:
                     failure = mismatch
             save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
@@ -1080,9 +1203,13 @@ class RunLog:
         saved = guard.checkpoint.get("log", {}) if resumed else {}
         self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
         self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
-        self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
-        self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
-        self.recent_team_returns = deque(saved.get("recent_team_returns", []), maxlen=100)
+        self.recent_returns, self.recent_team_returns, self.recent_lengths = (
+            deque(saved.get(f"recent_{kind}", []), maxlen=100)
+            for kind in ("returns", "team_returns", "lengths"))
+        groups = saved.get("recent_group_returns", {})  # by "<group>/return", "<group>/team_return"
+        self.recent_group_returns = {key: deque(groups.get(key, []), maxlen=100) for key in (
+            f"{group.name}/{kind}" for group in guard.spec.groups
+            for kind in ("return", "team_return"))}
         self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
         self.last_print, self.writer = 0.0, None
         if guard.ranks.rank == 0:  # rank 0 speaks for all; TensorBoard shows the settings too
@@ -1126,13 +1253,21 @@ class RunLog:
         self.recent_returns.append(episode["return"])
         self.recent_team_returns.append(episode["team_return"])
         self.recent_lengths.append(episode["length"])
+        for name, returns in episode["groups"].items():  # charts/<group>/episodic_return, ...
+            for kind, value in returns.items():
+                self.recent_group_returns[f"{name}/{kind}"].append(value)
+                if self.writer is not None:
+                    tag = "episodic_return" if kind == "return" else kind
+                    self.writer.add_scalar(f"charts/{name}/{tag}", value, step)
         if self.writer is not None:
             self.writer.add_scalar("charts/episodic_return", episode["return"], step)
             self.writer.add_scalar("charts/team_return", episode["team_return"], step)
             self.writer.add_scalar("charts/episodic_length", episode["length"], step)
-        target = self.guard.config.target_return
-        if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
-                and np.mean(self.recent_returns) >= target):
+        config = self.guard.config  # the target is all agents' return, or --target-group's
+        judged = (self.recent_group_returns[f"{config.target_group}/return"]
+                  if config.target_group else self.recent_returns)
+        if (config.target_return is not None and self.solved_step is None and len(judged) == 100
+                and np.mean(judged) >= config.target_return):
             self.solved_step, self.solved_seconds = step, self.seconds()
 
     def update(self, stats: dict):
@@ -1170,37 +1305,26 @@ class RunLog:
         eta = time.strftime("%H:%M:%S", time.gmtime(max(total - step, 0) / max(speed, 1e-9)))
         mean = lambda values: f"{np.mean(values):.2f}" if values else "-"
         env_steps = step // self.guard.spec.num_agents
+        groups = "".join(f"| {name} {mean(self.recent_group_returns[name + '/return'])} "
+                         for name in self.main.models if len(self.main.models) > 1)
         self.say(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | env steps {env_steps:,} | "
                  f"{speed:,.0f} steps/s | eta {eta} | return per agent {mean(self.recent_returns)} "
-                 f"| team {mean(self.recent_team_returns)} | length {mean(self.recent_lengths)} | "
-                 f"updates {self.guard.updates}")
+                 f"| team {mean(self.recent_team_returns)} {groups}| length "
+                 f"{mean(self.recent_lengths)} | updates {self.guard.updates}")
 
     def state(self) -> dict:
         """What the checkpoint keeps of the log, for a resumed run to count on."""
         return {"episodes": self.episodes, "seconds": self.seconds(),
                 "recent_returns": list(self.recent_returns),
                 "recent_team_returns": list(self.recent_team_returns),
+                "recent_group_returns": {key: list(values)
+                                         for key, values in self.recent_group_returns.items()},
                 "recent_lengths": list(self.recent_lengths)}
 
     def finish(self, interrupted: bool, failed: bool) -> dict:
         """Write summary.json, print the last progress line (once) and how the run ended."""
         guard, config, step = self.guard, self.guard.config, self.main.global_step
-        speed, path = self.steady_speed(), guard.run_dir / "summary.json"
-        summary = {
-            "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
-            "seconds": round(self.seconds(), 3),
-            "warmup_seconds": (round(self.first_update_end[0] - self.start_time, 3)
-                               if self.first_update_end else None),
-            "steps_per_second": round(speed, 1) if speed else None, "episodes": self.episodes,
-            "mean_return_100": float(np.mean(self.recent_returns)) if self.recent_returns else None,
-            "mean_team_return_100": (float(np.mean(self.recent_team_returns))
-                                     if self.recent_team_returns else None),
-            "env_steps": step // guard.spec.num_agents, "num_agents": guard.spec.num_agents,
-            "target_return": config.target_return, "solved_step": self.solved_step,
-            "solved_seconds": (round(self.solved_seconds, 3) if self.solved_seconds is not None
-                               else None), "interrupted": interrupted,
-            "checkpoint": str(guard.checkpoint_path) if guard.checkpoint_path.exists() else None,
-            "world_size": guard.ranks.world_size, "resumed_at_step": self.resumed_at_step}
+        summary, path = run_summary(self, interrupted), guard.run_dir / "summary.json"
         if self.writer is None:
             return summary  # rank 0 writes it
         try:
@@ -1219,6 +1343,32 @@ class RunLog:
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
 
+
+def run_summary(log: RunLog, interrupted: bool) -> dict:
+    """summary.json: the run's counts and results; each group's returns under "groups"."""
+    guard, config, step = log.guard, log.guard.config, log.main.global_step
+    speed = log.steady_speed()
+    mean = lambda values: float(np.mean(values)) if values else None  # noqa: E731
+    return {
+        "script": SCRIPT, "env": config.env, "seed": config.seed, "steps": step,
+        "seconds": round(log.seconds(), 3),
+        "warmup_seconds": (round(log.first_update_end[0] - log.start_time, 3)
+                           if log.first_update_end else None),
+        "steps_per_second": round(speed, 1) if speed else None, "episodes": log.episodes,
+        "mean_return_100": mean(log.recent_returns),
+        "mean_team_return_100": mean(log.recent_team_returns),
+        "env_steps": step // guard.spec.num_agents, "num_agents": guard.spec.num_agents,
+        "target_return": config.target_return, "solved_step": log.solved_step,
+        "solved_seconds": (round(log.solved_seconds, 3) if log.solved_seconds is not None
+                           else None), "interrupted": interrupted,
+        "checkpoint": str(guard.checkpoint_path) if guard.checkpoint_path.exists() else None,
+        "world_size": guard.ranks.world_size, "resumed_at_step": log.resumed_at_step,
+        "target_group": config.target_group or None,
+        "groups": {group.name: {"agents": group.agents,
+                                **{f"mean_{kind}_100": mean(log.recent_group_returns[
+                                    f"{group.name}/{kind}"]) for kind in ("return", "team_return")}}
+                   for group in guard.spec.groups}}
+
 # ----- Checkpoints --------------------------------------------------------------------------------
 
 
@@ -1228,19 +1378,34 @@ def learner_state(main: Main) -> dict:
     guard = main.guard
     return {
         "script": SCRIPT, "env": main.config.env, "env_kwargs": main.config.env_kwargs,
-        "spec": list(guard.spec), "config": dataclasses.asdict(main.config),
-        "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
+        # Each group: [agents, observation size, actions (Discrete: choices; Box: dimensions),
+        # state size]; its agents and action space by name; the networks, by group.
+        "spec": {group.name: [len(group.slots), group.obs_size, group.num_actions,
+                              guard.spec.state_size] for group in guard.spec.groups},
+        "groups": {group.name: {"agents": group.agents, "action_space": group.action_space}
+                   for group in guard.spec.groups},
+        "config": dataclasses.asdict(main.config),
+        "model": main.models.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
         "global_step": main.global_step, "updates": guard.updates,
         "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
     }
 
 
+def grouped_weights(models: nn.ModuleDict, weights: dict) -> dict:
+    """A checkpoint from before policy groups holds one shared network's weights, their names
+    without a group's: they are the one group's."""
+    names = list(models)
+    if len(names) == 1 and "actor.0.weight" in weights:
+        return {f"{names[0]}.{key}": value for key, value in weights.items()}
+    return weights
+
+
 def restore_learner(main: Main, state: dict):
     try:
-        main.model.load_state_dict(state["model"])
+        main.models.load_state_dict(grouped_weights(main.models, state["model"]))
     except RuntimeError as error:
-        raise UsageError(f"the checkpoint's network does not fit {main.config.env} with hidden "
+        raise UsageError(f"the checkpoint's networks do not fit {main.config.env} with hidden "
                          f"size {main.config.hidden_size}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
     main.trainer.optimizer.load_state_dict(state["optimizer"])
@@ -1311,7 +1476,7 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
     changed = {f.name: getattr(given, f.name) for f in fields
                if getattr(given, f.name) != f.default}
-    for name in ("env", "env_kwargs", "hidden_size", "agent_id", "central_value"):
+    for name in ("env", "env_kwargs", "groups", "hidden_size", "agent_id", "central_value"):
         if name in changed and changed[name] != saved.get(name):
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
                              f"{saved.get(name)}, not {changed[name]}")
@@ -1322,52 +1487,70 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
-    """--eval: play --eval-episodes episodes with a checkpoint's policy (every agent playing it)
-    and report the return per agent and per team."""
+    """--eval: play --eval-episodes episodes with a checkpoint's policies (each group's agents
+    playing their group's) and report the return per agent and per team, of all and each group."""
     check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
-    env_kwargs = parse_env_kwargs(config.env_kwargs)
-    spec = inspect_env(config.env, env_kwargs, config.central_value)
-    policy_size, value_size, _ = row_sizes(spec, config)
-    model = Model(policy_size, value_size, spec.num_actions, config.central_value,
-                  config.hidden_size)
-    model.load_state_dict(checkpoint["model"])
+    env_kwargs, spec = parse_env_kwargs(config.env_kwargs), inspect_env(config)
+    models = nn.ModuleDict({group.name: Model(group.policy_size, group.value_size,
+                                              group.num_actions, config.central_value,
+                                              config.hidden_size, group.continuous)
+                            for group in spec.groups})
+    try:
+        models.load_state_dict(grouped_weights(models, checkpoint["model"]))
+    except RuntimeError as error:
+        raise UsageError(f"the checkpoint's networks do not fit {config.env}: "
+                         f"{str(error).splitlines()[-1].strip()}") from None
     torch.manual_seed(config.seed)
     try:
         drawn = {"render_mode": "rgb_array"} if config.video else {}  # (only when asked for)
         game = Game(config.env, config.seed, {**env_kwargs, **drawn}, config.agent_id,
-                    config.central_value)
+                    config.central_value, {group.name: group.slots for group in spec.groups},
+                    max(group.row_size for group in spec.groups))
     except Exception as error:
         raise UsageError(f"cannot make {config.env} for --video: {type(error).__name__}: "
                          f"{error}") from None
     video, path, rows = None, Path(config.run_dir) / "eval.mp4", game.reset()
-    returns, team_returns = [], []
+    episodes = []
     try:
-        while len(returns) < config.eval_episodes:
+        while len(episodes) < config.eval_episodes:
             if config.video:
                 video = write_frame(video, game, path)
-            actions, _, _ = model.act(torch.from_numpy(rows), greedy=config.greedy)
-            rows, _, _, _, info = game.step(actions.numpy())
+            actions = np.zeros((spec.num_agents, spec.action_columns), np.float32)
+            for group in spec.groups:
+                taken, _, _ = models[group.name].act(
+                    torch.from_numpy(rows[group.slots, :group.row_size]), greedy=config.greedy)
+                taken = (taken.clamp(torch.tensor(group.low), torch.tensor(group.high))
+                         if group.continuous else taken[:, None])  # Box: clipped
+                actions[group.slots, :taken.shape[1]] = taken.numpy()
+            rows, _, _, _, info = game.step(actions)
             if "episode" in info:
-                returns.append(info["episode"]["return"])
-                team_returns.append(info["episode"]["team_return"])
+                episodes.append(info["episode"])
     finally:
         game.env.close()
         if video is not None:
             video.release()
-    mean, std = float(np.mean(returns)), float(np.std(returns))
-    team_mean, team_std = float(np.mean(team_returns)), float(np.std(team_returns))
+    stats = lambda values: (float(np.mean(values)), float(np.std(values)))  # noqa: E731
+    mean, std = stats([episode["return"] for episode in episodes])
+    team_mean, team_std = stats([episode["team_return"] for episode in episodes])
     how = "greedy" if config.greedy else "sampled"
-    episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
+    count = f"{len(episodes)} episode{'s' * (len(episodes) != 1)}"
+    groups = {group.name: {f"{kind}{part}": value for kind in ("return", "team_return")
+                           for part, value in zip(("_mean", "_std"), stats(
+                               [episode["groups"][group.name][kind] for episode in episodes]))}
+              for group in spec.groups}
+    each = "".join(f"; {name} {values['return_mean']:.2f} ± {values['return_std']:.2f} per agent"
+                   for name, values in groups.items() if len(groups) > 1)
     print(f"eval {config.env}: return per agent {mean:.2f} ± {std:.2f}, per team "
-          f"{team_mean:.2f} ± {team_std:.2f} over {episodes} ({how} actions)")
+          f"{team_mean:.2f} ± {team_std:.2f}{each} over {count} ({how} actions)")
     if video is not None:
         print(f"video: {path}")
-    return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
+    return {"script": SCRIPT, "env": config.env, "episodes": len(episodes), "mean_return": mean,
             "std_return": std, "mean_team_return": team_mean, "std_team_return": team_std,
-            "returns": returns, "team_returns": team_returns, "greedy": config.greedy,
-            "video": str(path) if video is not None else None}
+            "returns": [episode["return"] for episode in episodes],
+            "team_returns": [episode["team_return"] for episode in episodes], "groups": groups,
+            "greedy": config.greedy, "video": str(path) if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
@@ -1400,10 +1583,11 @@ RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or
           "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
-def check_settings(config: Config, num_agents: Optional[int] = None):
+def check_settings(config: Config, spec: Optional["EnvSpec"] = None):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together; once the
-    number of agents is known, a batch (num_envs x agents x num_steps) that does not split."""
+    env's groups are known, a group's batch (num_envs x its agents x num_steps) that does not split,
+    or a --target-group that is none of them."""
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
@@ -1419,14 +1603,35 @@ def check_settings(config: Config, num_agents: Optional[int] = None):
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
-    batch_size = config.num_envs * (num_agents or 1) * config.num_steps
-    if num_agents and batch_size % config.num_minibatches:
-        raise UsageError(f"the batch of {batch_size} agent steps (--num-envs x {num_agents} agents "
-                         f"x --num-steps) does not split into --num-minibatches "
-                         f"{config.num_minibatches}")
-    if num_agents and batch_size // config.num_minibatches < 2:
-        raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot be "
-                         f"normalised: raise --num-envs or --num-steps, or lower --num-minibatches")
+    names = [group.name for group in spec.groups] if spec else []
+    if spec and config.target_group and config.target_group not in names:
+        raise UsageError(f"--target-group {config.target_group}: {config.env}'s groups are "
+                         f"{', '.join(names)}")
+    for group in spec.groups if spec else ():
+        agents = len(group.slots)
+        batch_size = config.num_envs * agents * config.num_steps
+        whose = f"group {group.name}'s batch of {batch_size} agent steps (--num-envs x {agents} "
+        if batch_size % config.num_minibatches:
+            raise UsageError(f"{whose}agents x --num-steps) does not split into "
+                             f"--num-minibatches {config.num_minibatches}")
+        if batch_size // config.num_minibatches < 2:
+            raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot "
+                             f"be normalised: raise --num-envs or --num-steps, or lower "
+                             f"--num-minibatches")
+
+
+def parse_groups(text: str) -> dict:
+    """--groups "adversary=predators,agent=prey" -> {"adversary": "predators", "agent": "prey"}:
+    agent name prefix -> group name."""
+    prefixes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        prefix, equals, group = (part.strip() for part in item.partition("="))
+        if not equals or not prefix or not group.isidentifier() or prefix in prefixes:
+            raise UsageError(f"--groups {text!r}: write name prefix=group pairs separated by "
+                             f"commas, each prefix once, each group a name (letters, digits, _), "
+                             f"e.g. adversary=predators,agent=prey")
+        prefixes[prefix] = group
+    return prefixes
 
 
 def parse_env_kwargs(text: str) -> dict:
@@ -1445,13 +1650,30 @@ def parse_env_kwargs(text: str) -> dict:
     return options
 
 
+class GroupSpec(typing.NamedTuple):
+    """A policy group (`assign_groups`): its agents, alike, and the sizes of its network."""
+
+    name: str
+    agents: list  # their names, in possible_agents' order
+    slots: list  # their places in possible_agents
+    obs_size: int  # numbers in one agent's observation
+    action_space: str  # as gymnasium writes it
+    num_actions: int  # Discrete: the choices; Box: the dimensions
+    continuous: bool  # a Box action space (a Gaussian policy)
+    low: list  # Box: the bounds actions are clipped to (else empty)
+    high: list
+    policy_size: int  # columns of a row the policy reads (`Game`, `Model`)
+    value_size: int  # columns the critic reads
+    row_size: int  # columns of the group's rows
+
+
 class EnvSpec(typing.NamedTuple):
-    """What the networks need to know of an env: its agents are alike (`inspect_env` checks)."""
+    """What the networks need to know of an env (`inspect_env` checks it)."""
 
     num_agents: int  # agent slots (possible_agents)
-    obs_size: int  # numbers in one agent's observation
-    num_actions: int  # choices of its Discrete action
-    state_size: int  # numbers in the env's global state (0 when it gives none)
+    state_size: int  # numbers in the env's global state (0 without --central-value)
+    groups: tuple  # GroupSpec of each group, in the order of their first agents
+    action_columns: int  # numbers of one agent's action, the widest (a Box's dimensions, else 1)
 
 
 def find_env_module(env_id: str):
@@ -1479,10 +1701,11 @@ def find_env_module(env_id: str):
     return module
 
 
-def inspect_env(env_id: str, env_kwargs: dict, central_value: bool) -> EnvSpec:
-    """Check that the env exists and that one shared policy can play it: every agent with the same
-    vector observation space and the same Discrete action space."""
-    module = find_env_module(env_id)
+def inspect_env(config: Config) -> EnvSpec:
+    """Check that the env exists, and group its agents (`assign_groups`, by --groups or by kind):
+    each group's agents must observe alike (vectors) and act alike (Discrete or Box)."""
+    env_id, env_kwargs = config.env, parse_env_kwargs(config.env_kwargs)
+    module, prefixes = find_env_module(env_id), parse_groups(config.groups)
     try:
         env = module.parallel_env(**env_kwargs)
         env.reset(seed=0)
@@ -1492,48 +1715,71 @@ def inspect_env(env_id: str, env_kwargs: dict, central_value: bool) -> EnvSpec:
                          f"{str(error).splitlines()[0] if str(error) else ''}") from None
     try:
         agents = list(env.possible_agents)
-        obs_spaces = [env.observation_space(agent) for agent in agents]
-        action_spaces = [env.action_space(agent) for agent in agents]
-        for agent, obs_space, action_space in zip(agents, obs_spaces, action_spaces):
-            if obs_space != obs_spaces[0] or action_space != action_spaces[0]:
-                raise UsageError(
-                    f"{env_id} has agents of different kinds ({agents[0]}: {obs_spaces[0]}, "
-                    f"{action_spaces[0]}; {agent}: {obs_space}, {action_space}): one shared "
-                    f"policy needs every agent to observe and act alike")
-        obs_space, action_space = obs_spaces[0], action_spaces[0]
-        if isinstance(action_space, gym.spaces.Box):
-            raise UsageError(f"{env_id} has continuous {action_space} actions: a Gaussian policy "
-                             f"for Box actions is ppo_continuous.py's (single agent); here, "
-                             f"choose discrete actions (MPE2: continuous_actions=False)")
-        if not isinstance(action_space, gym.spaces.Discrete):
-            raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
-                             f"Discrete actions, and no script of this library handles "
-                             f"{type(action_space).__name__} actions for many agents yet")
-        kind = type(obs_space).__name__
-        if not isinstance(obs_space, gym.spaces.Box):
-            raise UsageError(f"{env_id} has a {kind} observation space; no script of this library "
-                             f"handles {kind} observations yet")
-        if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
-            raise UsageError(f"{env_id} observes images {obs_space.shape}; no script of this "
-                             f"library handles image observations outside Atari yet")
+        spaces = [(env.observation_space(agent), env.action_space(agent)) for agent in agents]
+        try:
+            groups = assign_groups(agents, [str(pair) for pair in spaces], prefixes)
+        except ValueError as error:
+            raise UsageError(f"{error}: {env_id}'s agents are {', '.join(agents)}") from None
+        for prefix in prefixes:
+            if not any(agent.startswith(prefix) for agent in agents):
+                raise UsageError(f"--groups: no agent's name starts with {prefix!r} ({env_id}'s "
+                                 f"agents are {', '.join(agents)})")
+        for name, slots in groups.items():
+            for slot in slots:
+                if spaces[slot] != spaces[slots[0]]:
+                    raise UsageError(
+                        f"group {name} has agents of different kinds ({agents[slots[0]]}: "
+                        f"{', '.join(map(str, spaces[slots[0]]))}; {agents[slot]}: "
+                        f"{', '.join(map(str, spaces[slot]))}): one shared policy needs its "
+                        f"agents to observe and act alike; put them in groups of their own")
+            check_spaces(env_id, *spaces[slots[0]])
         state_size = 0
-        if central_value:
+        if config.central_value:
             try:
                 state_size = int(np.asarray(env.state()).size)
             except Exception:
                 raise UsageError(f"{env_id} gives no global state (state()), which "
                                  f"--central-value needs: pass --no-central-value") from None
-        return EnvSpec(len(agents), int(np.prod(obs_space.shape)), int(action_space.n),
-                       state_size)
+        group_specs = tuple(group_spec(name, slots, agents, *spaces[slots[0]], state_size, config)
+                            for name, slots in groups.items())
+        return EnvSpec(len(agents), state_size, group_specs,
+                       max(group.num_actions if group.continuous else 1 for group in group_specs))
     finally:
         env.close()
 
 
-def row_sizes(spec: EnvSpec, config: Config) -> tuple:
-    """(policy columns, value columns, whole row) of a row (see `Game` and `Model`)."""
-    policy_size = spec.obs_size + (spec.num_agents if config.agent_id else 0)
-    value_size = spec.state_size + spec.num_agents if config.central_value else policy_size
-    return policy_size, value_size, policy_size + (value_size if config.central_value else 0)
+def check_spaces(env_id: str, obs_space, action_space):
+    """Refuse what no group's policy can play: observations other than vectors, actions other than
+    Discrete or Box."""
+    if not isinstance(action_space, (gym.spaces.Discrete, gym.spaces.Box)):
+        raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
+                         f"Discrete and Box actions, and no script of this library handles "
+                         f"{type(action_space).__name__} actions for many agents yet")
+    kind = type(obs_space).__name__
+    if not isinstance(obs_space, gym.spaces.Box):
+        raise UsageError(f"{env_id} has a {kind} observation space; no script of this library "
+                         f"handles {kind} observations yet")
+    if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
+        raise UsageError(f"{env_id} observes images {obs_space.shape}; no script of this "
+                         f"library handles image observations outside Atari yet")
+    if isinstance(action_space, gym.spaces.Box) and len(action_space.shape) != 1:
+        raise UsageError(f"{env_id} has {action_space} actions; this script's Gaussian policy "
+                         f"takes vectors of actions (one dimension)")
+
+
+def group_spec(name, slots, agents, obs_space, action_space, state_size, config) -> GroupSpec:
+    """A group's sizes: a row holds [observation, one-hot of the agent in its group (with
+    --agent-id)], the policy's columns, then [global state, the one-hot] with --central-value."""
+    obs_size, continuous = int(np.prod(obs_space.shape)), isinstance(action_space, gym.spaces.Box)
+    policy_size = obs_size + (len(slots) if config.agent_id else 0)
+    value_size = state_size + len(slots) if config.central_value else policy_size
+    bounds = ([float(x) for x in bound] for bound in (action_space.low, action_space.high)
+              ) if continuous else ([], [])
+    return GroupSpec(name, [agents[slot] for slot in slots], list(slots), obs_size,
+                     str(action_space), int(action_space.shape[0] if continuous else
+                                            action_space.n), continuous, *bounds,
+                     policy_size, value_size,
+                     policy_size + (value_size if config.central_value else 0))
 
 
 def pick_device(name: str) -> torch.device:

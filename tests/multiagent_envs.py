@@ -62,3 +62,61 @@ class DyingEnv(ParallelEnv):
 
 
 dying_v0 = types.SimpleNamespace(parallel_env=DyingEnv)
+
+
+class MixedEnv(ParallelEnv):
+    """Agents of two kinds, one acting with a Box and two with a Discrete action, for 5 steps (a
+    time limit: truncation). pointer_0 observes a target point in [-1, 1]^2 and is paid minus the
+    squared distance of its action to it; chooser_i observes a one-hot of a class of 3 and is paid 1
+    for choosing it. The targets are drawn anew each step from the env's seeded generator. Every
+    action dict the envs of this process receive is kept in `MixedEnv.received` (a class list, for
+    runs with --num-workers 0), to check what arrives: Box actions clipped, Discrete ones ints."""
+
+    metadata = {"name": "mixed_v0", "render_modes": []}
+    LENGTH = 5
+    received = []
+
+    def __init__(self, render_mode=None):
+        self.possible_agents = ["pointer_0", "chooser_0", "chooser_1"]
+        self.agents, self.render_mode = [], render_mode
+        self.rng = np.random.default_rng(0)
+
+    def observation_space(self, agent):
+        return spaces.Box(-1.0, 1.0, (2,) if agent.startswith("pointer") else (3,), np.float32)
+
+    def action_space(self, agent):
+        if agent.startswith("pointer"):
+            return spaces.Box(-1.0, 1.0, (2,), np.float32)
+        return spaces.Discrete(3)
+
+    def draw(self):
+        self.point = self.rng.uniform(-1, 1, 2).astype(np.float32)
+        self.classes = self.rng.integers(3, size=2)
+        return {"pointer_0": self.point.copy(),
+                **{f"chooser_{i}": np.eye(3, dtype=np.float32)[c]
+                   for i, c in enumerate(self.classes)}}
+
+    def state(self):
+        return np.concatenate([self.point, self.classes.astype(np.float32)])
+
+    def reset(self, seed=None, options=None):
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        self.agents, self.t = list(self.possible_agents), 0
+        return self.draw(), {agent: {} for agent in self.agents}
+
+    def step(self, actions):
+        self.received.append(actions)
+        miss = np.asarray(actions["pointer_0"]) - self.point
+        rewards = {"pointer_0": -float(np.sum(miss ** 2)),
+                   **{f"chooser_{i}": float(actions[f"chooser_{i}"] == c)
+                      for i, c in enumerate(self.classes)}}
+        self.t += 1
+        done = self.t >= self.LENGTH
+        observations = self.draw()
+        acted, self.agents = self.agents, [] if done else self.agents
+        return (observations, rewards, {agent: False for agent in acted},
+                {agent: done for agent in acted}, {agent: {} for agent in acted})
+
+
+mixed_v0 = types.SimpleNamespace(parallel_env=MixedEnv)

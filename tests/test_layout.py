@@ -19,9 +19,9 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # "The lesson's measures"). These limits keep a lesson, and a file, from growing back.
 # ppo_spaces.py, new (issue 22), holds 647 for now: its nests, encoders, heads and masks add ~165.
 LESSON_LINES = {"ppo_atari.py": 500, "ppo_cartpole.py": 500, "ppo_continuous.py": 500,
-                "ppo_memory.py": 738, "ppo_multiagent.py": 500, "ppo_spaces.py": 647}
+                "ppo_memory.py": 738, "ppo_multiagent.py": 618, "ppo_spaces.py": 647}
 FILE_LINES = {"ppo_atari.py": 1517, "ppo_cartpole.py": 1534, "ppo_continuous.py": 1900,
-              "ppo_memory.py": 1750, "ppo_multiagent.py": 1601, "ppo_spaces.py": 1852}
+              "ppo_memory.py": 1750, "ppo_multiagent.py": 1847, "ppo_spaces.py": 1852}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 3
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",

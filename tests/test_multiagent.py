@@ -1,7 +1,9 @@
 """ppo_multiagent.py: the (env, agent) batch layout, absent agents kept out of the losses, agent ids
 and the global-state value input, on a small env of tests/multiagent_envs.py whose agents finish at
-different times; then runs through the API and the command line: checkpoint, --resume, --eval and
---video, torchrun, bad input, Ctrl-C, reproducibility, and learning on MPE2 envs."""
+different times; policy groups (by kind, by --groups, each group's loss its own), the Gaussian head
+of Box actions and a mixed discrete/continuous env; then runs through the API and the command line:
+checkpoint, --resume, --eval and --video (with one group and with several), torchrun, bad input,
+Ctrl-C, reproducibility, and learning on MPE2 envs."""
 import json
 import os
 import signal
@@ -50,7 +52,8 @@ def dying_run(tmp_path, **options):
 
 def test_every_agent_of_every_env_is_a_row_and_the_layout_round_trips(tmp_path):
     main = dying_run(tmp_path)
-    rollout, agents = main.rollout, 3
+    assert list(main.rollouts) == ["agent"]  # alike agents: one group
+    rollout, agents = main.rollouts["agent"], 3
     for step in range(8):
         t = step % 6  # the episodes last 6 steps
         for env in range(4):
@@ -69,7 +72,7 @@ def test_every_agent_of_every_env_is_a_row_and_the_layout_round_trips(tmp_path):
 
 def test_agents_that_end_early_are_done_at_their_end_and_absent_after(tmp_path):
     main = dying_run(tmp_path)
-    rollout = main.rollout
+    rollout = main.rollouts["agent"]
     for slot, lifetime in enumerate(multiagent_envs.DyingEnv.LIFETIMES):
         row = slot  # env 0
         for step in range(8):
@@ -91,7 +94,7 @@ def test_agents_that_end_early_are_done_at_their_end_and_absent_after(tmp_path):
 
 def test_an_absent_agents_rows_never_reach_the_loss(tmp_path):
     main = dying_run(tmp_path)
-    rollout = main.rollout
+    rollout = main.rollouts["agent"]
     advantages = torch.randn(8, 12)
     minibatch = rollout.minibatch(torch.arange(8 * 12), advantages, advantages + rollout.values)
     absent = minibatch.mask == 0
@@ -105,10 +108,10 @@ def test_an_absent_agents_rows_never_reach_the_loss(tmp_path):
         old_values=torch.where(absent, 1e5, minibatch.old_values))
 
     def loss_and_gradients(batch):
-        main.model.zero_grad()
-        loss, stats = main.trainer.compute_loss(batch)
+        main.models.zero_grad()
+        loss, stats = main.trainer.compute_loss({"agent": batch})
         loss.backward()
-        return loss, stats, [p.grad.clone() for p in main.model.parameters()]
+        return loss, stats, [p.grad.clone() for p in main.models.parameters()]
 
     loss, stats, gradients = loss_and_gradients(minibatch)
     poisoned_loss, poisoned_stats, poisoned_gradients = loss_and_gradients(poisoned)
@@ -121,7 +124,7 @@ def test_an_absent_agents_rows_never_reach_the_loss(tmp_path):
 
 def test_the_agent_id_and_the_global_state_are_in_the_rows(tmp_path):
     main = dying_run(tmp_path, agent_id=True, central_value=True)
-    obs = main.rollout.obs[0]  # the first step: t = 0, every agent alive
+    obs = main.rollouts["agent"].obs[0]  # the first step: t = 0, every agent alive
     assert obs.shape == (12, 3 + 3 + 4 + 3)  # observation, id; state, id
     eye = torch.eye(3)
     for env in range(4):
@@ -131,7 +134,7 @@ def test_the_agent_id_and_the_global_state_are_in_the_rows(tmp_path):
             assert torch.equal(row[3:6], eye[slot])
             assert row[6:10].tolist() == [0, 1, 1, 1]  # the env's state: t, who is alive
             assert torch.equal(row[10:], eye[slot])
-    assert main.model.policy_size == 6
+    assert main.models["agent"].policy_size == 6
 
 
 @pytest.mark.parametrize("central_value", [True, False])
@@ -143,20 +146,153 @@ def test_the_critic_reads_the_global_state_only_with_central_value(central_value
     rows = torch.randn(6, 9 if central_value else 4)
     other = rows.clone()
     other[:, 4:] += 1.0  # change the value columns (without central value: nothing)
-    assert torch.equal(model.log_probs(rows), model.log_probs(other))
+    actions = torch.tensor([0, 1, 2, 0, 1, 2])
+    assert torch.equal(model.evaluate_actions(rows, actions)[0],
+                       model.evaluate_actions(other, actions)[0])
     assert torch.equal(model.value(rows), model.value(other)) != central_value
     changed_policy_columns = rows.clone()
     changed_policy_columns[:, :4] += 1.0
     assert torch.equal(model.value(rows), model.value(changed_policy_columns)) == central_value
 
 
-def test_heterogeneous_and_continuous_envs_are_refused():
-    with pytest.raises(pm.UsageError, match="agents of different kinds.*one shared policy"):
-        pm.inspect_env("mpe2.simple_tag_v3", {}, False)
-    with pytest.raises(pm.UsageError, match="ppo_continuous.py"):
-        pm.inspect_env(SPREAD, {"continuous_actions": True}, False)
-    spec = pm.inspect_env(SPREAD, {"N": 4}, True)
-    assert spec == pm.EnvSpec(num_agents=4, obs_size=24, num_actions=5, state_size=96)
+# ----- policy groups and Box actions ------------------------------------------------------------
+
+MIXED = "multiagent_envs.mixed_v0"
+TAG = "mpe2.simple_tag_v3"
+
+
+def groups_of(env, groups="", **options):
+    spec = pm.inspect_env(pm.Config(env=env, groups=groups, **options))
+    return {group.name: group.agents for group in spec.groups}
+
+
+def test_agents_are_grouped_by_kind_and_named_by_their_common_prefix():
+    assert groups_of(SPREAD) == {"agent": ["agent_0", "agent_1", "agent_2"]}
+    assert groups_of(TAG) == {"adversary": ["adversary_0", "adversary_1", "adversary_2"],
+                              "agent": ["agent_0"]}
+    # simple_world_comm: the leader acts (and talks) with 20 choices, its adversaries with 5
+    assert groups_of("mpe2.simple_world_comm_v3") == {
+        "leadadversary": ["leadadversary_0"],
+        "adversary": ["adversary_0", "adversary_1", "adversary_2"],
+        "agent": ["agent_0", "agent_1"]}
+    # alike spaces make one group, whatever the names; a name collision or no prefix gets a number
+    assert pm.assign_groups(["a_0", "b_0"], ["k", "k"], {}) == {"group0": [0, 1]}
+    assert pm.assign_groups(["agent_0", "agent_1"], ["k", "l"], {}) == {"agent": [0],
+                                                                        "agent1": [1]}
+
+
+def test_groups_map_name_prefixes_to_groups_the_longest_prefix_first():
+    assert groups_of(TAG, "adversary=predators,agent=prey") == {
+        "predators": ["adversary_0", "adversary_1", "adversary_2"], "prey": ["agent_0"]}
+    # agent_0 starts with both "agent" and "agent_0": the longer wins, in either order given
+    for text in ("agent=team,agent_0=first", "agent_0=first,agent=team"):
+        assert groups_of(SPREAD, text) == {"first": ["agent_0"], "team": ["agent_1", "agent_2"]}
+    # several prefixes may name one group; alike agents may be split into groups of their own
+    assert pm.assign_groups(["x_0", "y_0", "x_1"], ["k"] * 3, {"x": "g", "y": "g"}) == {
+        "g": [0, 1, 2]}
+    with pytest.raises(ValueError, match="agent z_0 matches no name prefix"):
+        pm.assign_groups(["x_0", "z_0"], ["k", "k"], {"x": "g"})
+
+
+def test_group_sizes_follow_their_spaces_and_the_agent_id_is_within_the_group():
+    spec = pm.inspect_env(pm.Config(env=TAG, agent_id=True, central_value=True))
+    adversary, agent = spec.groups
+    assert (adversary.obs_size, adversary.num_actions, agent.obs_size) == (16, 5, 14)
+    assert adversary.policy_size == 16 + 3 and agent.policy_size == 14 + 1  # ids within a group
+    assert adversary.value_size == 62 + 3 and agent.value_size == 62 + 1  # state, id
+    assert spec.action_columns == 1 and not adversary.continuous
+    box = pm.inspect_env(pm.Config(env=SPREAD, env_kwargs="continuous_actions=True")).groups[0]
+    assert box.continuous and box.num_actions == 5 and (box.low, box.high) == ([0.0] * 5,
+                                                                                [1.0] * 5)
+
+
+def test_each_group_reads_its_own_rows_with_ids_and_state(tmp_path):
+    main = dying_run(tmp_path, agent_id=True, central_value=True, groups="agent_0=solo,agent=rest")
+    solo, rest = main.rollouts["solo"], main.rollouts["rest"]
+    assert solo.rows.tolist() == [0, 3, 6, 9] and rest.rows.tolist() == [1, 2, 4, 5, 7, 8, 10, 11]
+    assert solo.obs.shape[-1] == 3 + 1 + 4 + 1 and rest.obs.shape[-1] == 3 + 2 + 4 + 2
+    first = rest.obs[0]  # t = 0: agent_1 and agent_2 of each env, each with its id in "rest"
+    for env in range(4):
+        for place, slot in enumerate((1, 2)):
+            row = first[env * 2 + place]
+            assert row[:3].tolist() == [slot, 0, 10 + env]
+            assert torch.equal(row[3:5], torch.eye(2)[place])
+            assert row[5:9].tolist() == [0, 1, 1, 1] and torch.equal(row[9:], torch.eye(2)[place])
+    assert solo.obs[0, :, 3].tolist() == [1.0] * 4  # the only one of its group
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["groups"]["solo"]["mean_return_100"] == pytest.approx(2.0)  # 2 steps x 1
+    assert summary["groups"]["rest"]["mean_team_return_100"] == pytest.approx(8 + 18)
+    assert summary["mean_team_return_100"] == pytest.approx(28)
+
+
+def test_a_groups_rows_never_reach_another_groups_loss(tmp_path):
+    main = dying_run(tmp_path, groups="agent_0=solo,agent=rest", central_value=True)
+    batches = {name: rollout.minibatch(torch.arange(rollout.obs.shape[0] * len(rollout.rows)),
+                                       torch.randn(rollout.mask.shape),
+                                       torch.randn(rollout.mask.shape))
+               for name, rollout in main.rollouts.items()}
+
+    def gradients(batches):
+        main.models.zero_grad()
+        loss, _ = main.trainer.compute_loss(batches)
+        loss.backward()
+        return {name: [p.grad.clone() if p.grad is not None else None
+                       for p in model.parameters()] for name, model in main.models.items()}
+
+    before = gradients(batches)
+    rest = batches["rest"]
+    changed = gradients({**batches, "rest": rest._replace(
+        obs=torch.randn_like(rest.obs), actions=1 - rest.actions,
+        advantages=-rest.advantages, returns=rest.returns + 5)})
+    for mine, other in zip(before["solo"], changed["solo"]):
+        assert torch.equal(mine, other)  # solo's gradients: untouched by rest's rows
+    assert any(not torch.equal(mine, other) for mine, other in zip(before["rest"], changed["rest"]))
+    # and alone, solo's loss gives rest's weights no gradient at all
+    main.models.zero_grad()
+    main.trainer.compute_loss({"solo": batches["solo"]})[0].backward()
+    assert all(p.grad is None for p in main.models["rest"].parameters())
+
+
+def test_gaussian_log_probs_and_entropy_match_torch_distributions():
+    torch.manual_seed(0)
+    model = pm.Model(policy_size=4, value_size=4, num_actions=3, central_value=False,
+                     continuous=True)
+    with torch.no_grad():
+        model.log_std.copy_(torch.tensor([[-0.5, 0.0, 0.7]]))
+        model.actor[-1].weight.normal_()  # means that differ from row to row
+    rows = torch.randn(6, 4)
+    actions, log_prob, _ = model.act(rows)
+    mean = model.actor(rows)
+    normal = torch.distributions.Normal(mean, model.log_std.exp().expand_as(mean))
+    assert actions.shape == (6, 3)
+    assert torch.allclose(log_prob, normal.log_prob(actions).sum(-1), atol=1e-5)
+    new_log_prob, entropy, _ = model.evaluate_actions(rows, actions)
+    assert torch.allclose(new_log_prob, log_prob)
+    assert torch.allclose(entropy, normal.entropy().sum(-1), atol=1e-5)
+    assert torch.equal(model.act(rows, greedy=True)[0], mean)  # greedy: the mean
+    # the samples are drawn from N(mean, std): their spread matches the std of each dimension
+    many = model.act(rows[:1].expand(20_000, 4))[0]
+    assert torch.allclose(many.std(0), model.log_std.exp()[0], rtol=0.05)
+
+
+def test_mixed_box_and_discrete_groups_learn_and_box_actions_arrive_clipped(tmp_path):
+    multiagent_envs.MixedEnv.received.clear()
+    main = pm.Main(pm.Config(env=MIXED, seed=1, num_envs=4, num_workers=0, device="cpu",
+                             total_timesteps=6_000, run_dir=str(tmp_path)))
+    summary = main.run()
+    stored = main.rollouts["pointer"].actions
+    assert stored.dtype == torch.float32 and stored.abs().max() > 1  # as sampled: unclipped
+    assert main.rollouts["chooser"].actions.dtype == torch.long
+    sent = np.stack([actions["pointer_0"] for actions in multiagent_envs.MixedEnv.received])
+    assert sent.shape == (6_000 // 3, 2)  # every env step of the run (3 agents a step)
+    assert np.abs(sent).max() == 1.0  # clipped to the Box [-1, 1]^2, and some at its edge
+    chosen = [actions["chooser_0"] for actions in multiagent_envs.MixedEnv.received]
+    assert all(type(choice) is int and 0 <= choice < 3 for choice in chosen)
+    groups = summary["groups"]
+    # Random play: a chooser is right a third of the time (5/3 of 5 steps); the pointer's first
+    # episodes lose about 9 (a Gaussian of std 1 around 0, clipped to the square).
+    assert groups["chooser"]["mean_return_100"] >= 4.5
+    assert groups["pointer"]["mean_return_100"] >= -3.0
 
 
 def test_env_kwargs_are_read_as_python_values():
@@ -183,7 +319,7 @@ def test_adam_matches_torch_adam():
 
 
 def final_weights(run_dir):
-    return checkpoint_of(run_dir)["model"]
+    return checkpoint_of(run_dir)["model"]  # by group: "agent.actor.0.weight", ...
 
 
 def test_same_seed_same_weights_in_process_and_in_workers(tmp_path):
@@ -198,8 +334,8 @@ def test_same_seed_same_weights_in_process_and_in_workers(tmp_path):
         assert torch.equal(runs["a"][key], runs["c"][key]), key
     pm.Main(pm.Config(seed=4, total_timesteps=3 * BATCH, run_dir=str(tmp_path / "d"),
                       **SMALL)).run()
-    assert not torch.equal(final_weights(tmp_path / "d")["actor.0.weight"],
-                           runs["a"]["actor.0.weight"])
+    assert not torch.equal(final_weights(tmp_path / "d")["agent.actor.0.weight"],
+                           runs["a"]["agent.actor.0.weight"])
 
 
 def test_command_line_run_resume_eval_and_video(tmp_path):
@@ -215,7 +351,7 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
     assert list(run_dir.glob("events.out.tfevents.*"))
     checkpoint = checkpoint_of(run_dir)
     assert checkpoint["global_step"] == BATCH and checkpoint["updates"] == 1
-    assert checkpoint["env"] == SPREAD and checkpoint["spec"] == [3, 18, 5, 54]
+    assert checkpoint["env"] == SPREAD and checkpoint["spec"] == {"agent": [3, 18, 5, 54]}
 
     result = run_script("--resume", run_dir / "checkpoint.pt", "--total-timesteps", 2 * BATCH)
     assert result.returncode == 0, result.stderr
@@ -231,6 +367,81 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
     assert ok and frame.shape[2] == 3
     frames = 1 + sum(1 for _ in iter(lambda: video.read()[0], False))
     assert frames == 2 * 25
+
+
+def test_several_groups_run_resume_and_eval(tmp_path):
+    run_dir, batch = tmp_path / "run", 4 * 4 * 25  # simple_tag: 3 adversaries and 1 agent
+    tag = ["--env", TAG, "--groups", "adversary=predators,agent=prey", "--num-envs", 4,
+           "--num-steps", 25, "--update-epochs", 2, "--num-workers", 2]
+    result = run_script(*tag, "--total-timesteps", batch, "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr
+    assert "| predators " in result.stdout and "| prey " in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    predators, prey = summary["groups"]["predators"], summary["groups"]["prey"]
+    assert predators["agents"] == ["adversary_0", "adversary_1", "adversary_2"]
+    assert prey["agents"] == ["agent_0"]
+    # simple_tag pays every predator the same: the team's return is 3 times one's
+    assert predators["mean_team_return_100"] == pytest.approx(3 * predators["mean_return_100"])
+    assert summary["mean_team_return_100"] == pytest.approx(
+        predators["mean_team_return_100"] + prey["mean_team_return_100"])
+    checkpoint = checkpoint_of(run_dir)
+    assert checkpoint["spec"] == {"predators": [3, 16, 5, 62], "prey": [1, 14, 5, 62]}
+    assert {key.split(".")[0] for key in checkpoint["model"]} == {"predators", "prey"}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(run_dir.glob("events.out.tfevents.*")))).Reload()
+    assert {"charts/predators/episodic_return", "charts/prey/team_return"} <= set(
+        events.Tags()["scalars"])
+
+    resumed = pm.Main(pm.Config(resume=str(run_dir), total_timesteps=2 * batch,
+                                num_workers=0)).run()
+    assert resumed["steps"] == 2 * batch and resumed["episodes"] == 8
+    assert checkpoint_of(run_dir)["optimizer"]["steps"] == 2 * 2 * 2
+    assert len(checkpoint_of(run_dir)["log"]["recent_group_returns"]["prey/return"]) == 8
+    with pytest.raises(pm.UsageError, match="trained with --groups adversary=predators"):
+        pm.Main(pm.Config(resume=str(run_dir), groups="adversary=a,agent=b")).run()
+
+    played = pm.Main(pm.Config(eval=str(run_dir), eval_episodes=2)).run()
+    assert played["episodes"] == 2 and set(played["groups"]) == {"predators", "prey"}
+    assert played["groups"]["predators"]["team_return_mean"] == pytest.approx(
+        3 * played["groups"]["predators"]["return_mean"])
+
+
+def test_a_checkpoint_from_before_policy_groups_evaluates_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    pm.Main(pm.Config(total_timesteps=4 * 25 * 3, run_dir=str(run_dir), **SMALL)).run()
+    path = run_dir / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    trained = state["model"]["agent.actor.0.weight"]
+    # The one shared network's names then: no group's name in front.
+    state["model"] = {key.removeprefix("agent."): value for key, value in state["model"].items()}
+    torch.save(state, path)
+    played = pm.Main(pm.Config(eval=str(path), eval_episodes=1)).run()
+    assert played["episodes"] == 1
+    resumed = pm.Main(pm.Config(resume=str(path), total_timesteps=2 * 4 * 25 * 3))
+    assert resumed.run()["steps"] == 2 * 4 * 25 * 3
+    assert not torch.equal(resumed.models["agent"].actor[0].weight.detach(), trained)
+
+
+def test_the_target_return_applies_to_the_named_group_or_to_all_agents(tmp_path):
+    settings = dict(env=MIXED, seed=1, num_envs=4, num_workers=0, device="cpu",
+                    total_timesteps=6_000, target_return=4.5)
+    named = pm.Main(pm.Config(target_group="chooser", run_dir=str(tmp_path / "a"),
+                              **settings)).run()
+    assert named["solved_step"] is not None and named["steps"] < 6_000
+    assert named["groups"]["chooser"]["mean_return_100"] >= 4.5
+    assert named["target_group"] == "chooser"
+    everyone = pm.Main(pm.Config(run_dir=str(tmp_path / "b"), **settings)).run()
+    assert everyone["solved_step"] is None  # the pointer's losses keep the mean of all below
+
+
+def test_continuous_simple_spread_trains(tmp_path):
+    summary = pm.Main(pm.Config(env_kwargs="continuous_actions=True", total_timesteps=BATCH,
+                                run_dir=str(tmp_path), **SMALL)).run()
+    assert summary["steps"] == BATCH and summary["episodes"] == 4
+    weights = final_weights(tmp_path)
+    assert weights["agent.log_std"].shape == (1, 5)  # a Gaussian over MPE2's 5 action numbers
+    assert weights["agent.actor.4.weight"].shape[0] == 5
 
 
 def test_two_ranks_under_torchrun_train_one_network(tmp_path):
@@ -252,8 +463,19 @@ def test_two_ranks_under_torchrun_train_one_network(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--env", "CartPole-v1"], "name a PettingZoo parallel env by module and name"),
     (["--env", "mpe2.no_such_env_v0"], "unknown env 'mpe2.no_such_env_v0'"),
-    (["--env", "mpe2.simple_adversary_v3"], "has agents of different kinds"),
-    (["--env-kwargs", "continuous_actions=True"], "ppo_continuous.py"),
+    (["--env", "mpe2.simple_tag_v3", "--groups", "adversary=predators"],
+     "agent agent_0 matches no name prefix of --groups"),
+    (["--env", "mpe2.simple_tag_v3", "--groups", "a=team"], "group team has agents of different "
+                                                            "kinds"),
+    (["--env", "mpe2.simple_tag_v3", "--groups", "adversary=x,agent=y,prey=z"],
+     "no agent's name starts with 'prey'"),
+    (["--env", "mpe2.simple_tag_v3", "--groups", "adversary"], "write name prefix=group pairs"),
+    (["--env", "mpe2.simple_tag_v3", "--groups", "adversary=pred.ators,agent=prey"],
+     "write name prefix=group pairs"),
+    (["--env", "mpe2.simple_tag_v3", "--groups", "adversary=x,adversary=y"],
+     "each prefix once"),
+    (["--env", "mpe2.simple_tag_v3", "--target-group", "prey"],
+     "--target-group prey: mpe2.simple_tag_v3's groups are adversary, agent"),
     (["--env-kwargs", "N"], "write name=value pairs"),
     (["--env-kwargs", "bogus=1"], "cannot make mpe2.simple_spread_v3 with --env-kwargs"),
     (["--num-envs", "0"], "--num-envs must be positive"),
@@ -268,9 +490,10 @@ def test_bad_input_exits_2_with_one_line(args, message, tmp_path, capsys):
 
 
 def test_bad_input_on_the_command_line_exits_2_without_traceback(tmp_path):
-    result = run_script("--env", "mpe2.simple_tag_v3", "--run-dir", tmp_path / "run")
+    result = run_script("--env", "mpe2.simple_tag_v3", "--groups", "adversary=predators",
+                        "--run-dir", tmp_path / "run")
     assert result.returncode == 2
-    assert "one shared policy needs every agent to observe and act alike" in result.stderr
+    assert "agent agent_0 matches no name prefix of --groups" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
