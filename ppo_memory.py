@@ -38,14 +38,15 @@ def option(default, help, check=None, choices=None):  # a Config field, its --he
 
 
 # Each kind's own settings, for the fields Config leaves at None (measured: benchmarks/README.md).
-# lstm, gru and attention share encoder and memory between actor and critic (CleanRL's LSTM PPO),
-# so the value loss (returns up to ~50) pulls on what the policy reads too: it weighs 0.03, not 0.5.
+# attention shares encoder and memory between actor and critic (CleanRL's LSTM PPO), so the value
+# loss pulls on what the policy reads too: it weighs 0.03. lstm and gru have a cell each; at 0.5,
+# gru's policy never learned StatelessAcrobot (the clip shrinks its step), at 0.1 CartPole slowly.
 KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
                "vf_coef")
 KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
     "none": (8e-3, 32, 2, 8, 64, 0.5),
     "framestack": (8e-3, 32, 2, 8, 64, 0.5),
-    "lstm": (3e-3, 32, 4, 8, 128, 0.03),
+    "lstm": (3e-3, 32, 4, 8, 128, 0.5),
     "gru": (3e-3, 32, 4, 8, 128, 0.03),
     "attention": (3e-3, 32, 4, 8, 64, 0.03),
 }.items()}
@@ -79,7 +80,7 @@ class Config:
     normalize_observations: bool = option(True, "scale observations by a running mean and std")
 
     # Collecting experience.
-    env: str = option("StatelessCartPole-v1", "gymnasium id: vector observations, Discrete actions")
+    env: str = option("StatelessCartPole-v1", "gymnasium id (popgym-* too): Discrete actions")
     num_envs: int = option(64, "games played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
     num_steps: Optional[int] = option(None, "steps per game in each rollout", "> 0")
@@ -166,9 +167,9 @@ def register_stateless_envs():
 
 
 class Game:
-    """One gymnasium env, observations as flat float32 vectors. An ended episode restarts in the
-    same step: `step` returns the next episode's first observation, the ended one's last in
-    `info["final_obs"]`, its return and length in `info["episode"]`."""
+    """One gymnasium env, observations as flat float32 vectors (discrete ones one-hot, as POPGym's
+    cards). An ended episode restarts in the same step: `step` returns the next episode's first
+    observation, the ended one's last in `info["final_obs"]`, its return and length in `info`."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
         register_stateless_envs()
@@ -181,12 +182,12 @@ class Game:
         # Seed only the first reset: later restarts continue the env's own random stream.
         obs, _ = self.env.reset(seed=self.seed)
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0
-        return np.asarray(obs, dtype=np.float32).ravel()
+        return gym.spaces.flatten(self.env.observation_space, obs).astype(np.float32)
 
     def step(self, action: int):
         # (The model counts choices from 0, the env from its action space's start.)
         obs, reward, terminated, truncated, _ = self.env.step(action + self.first_action)
-        obs, info = np.array(obs, dtype=np.float32).ravel(), {}  # (a copy: the env may reuse it)
+        obs, info = gym.spaces.flatten(self.env.observation_space, obs).astype(np.float32), {}
         self.episode_return += reward
         self.episode_length += 1
         if terminated or truncated:
@@ -374,12 +375,35 @@ class GatedAttention(nn.Module):
         return self.mlp_gate(stream, torch.relu(self.mlp(self.mlp_norm(stream))))
 
 
+class RecurrentCell(nn.Module):
+    """--memory lstm, gru: a linear+tanh encoder and one cell (CleanRL's LSTM PPO; LSTM details, #1:
+    orthogonal weights, zero biases), stepped along rows [L, B, D] from the state before them."""
+
+    def __init__(self, kind: str, input_size: int, hidden: int):
+        super().__init__()
+        self.encoder = nn.Sequential(layer(input_size, hidden), nn.Tanh())
+        self.cell = (nn.LSTMCell if kind == "lstm" else nn.GRUCell)(hidden, hidden)
+        for name, weights in self.cell.named_parameters():
+            nn.init.orthogonal_(weights) if "weight" in name else nn.init.zeros_(weights)
+
+    def forward(self, inputs: torch.Tensor, starts: torch.Tensor, memory: tuple):
+        features = []  # h of each row [L, B, hidden], and the state after the last
+        for x, start in zip(self.encoder(inputs), starts):
+            # LSTM details, #3: the state restarts at zero where an episode starts (a reset at the
+            # end of the one before), in a rollout and in training (#5: rebuilt step by step).
+            memory = tuple(state * (1.0 - start)[:, None] for state in memory)
+            memory = self.cell(x, memory) if len(memory) == 2 else (self.cell(x, memory[0]),)
+            features.append(memory[0])
+        return torch.stack(features), memory
+
+
 class Model(nn.Module):
     """The actor-critic with memory, over steps of a batch of envs: `inputs` [L, B, D] (rows of
-    `encode_inputs`), `starts` [L, B] (1 where an episode starts), `memory` (the recurrent state
-    before the first row: (h, c) for lstm, (h,) for gru, () otherwise). none, framestack: the last 1
-    or k rows side by side into separate 64-64 tanh MLPs (37 details, #13); lstm, gru: linear+tanh
-    encoder, one cell, linear heads (CleanRL's LSTM PPO); attention: encoder and GatedAttention."""
+    `encode_inputs`), `starts` [L, B] (1 where an episode starts), `memory` (the states before the
+    first row: the actor's (h, c) and the critic's for lstm, (h,) each for gru, () otherwise). none,
+    framestack: the last 1 or k rows side by side into separate 64-64 tanh MLPs (37 details, #13);
+    lstm, gru: a RecurrentCell each for actor and critic (sb3-contrib's RecurrentPPO), linear heads;
+    attention: encoder and GatedAttention shared by both heads."""
 
     def __init__(self, obs_size: int, num_actions: int, config: Config):
         super().__init__()
@@ -398,23 +422,21 @@ class Model(nn.Module):
                 nn.Tanh(), layer(hidden, out_size, gain))
             self.critic, self.actor = mlp(1, 1.0), mlp(num_actions, 0.01)
             return
-        self.encoder = nn.Sequential(layer(self.input_size, hidden), nn.Tanh())
         if self.kind == "attention":
+            self.encoder = nn.Sequential(layer(self.input_size, hidden), nn.Tanh())
             self.attention = GatedAttention(hidden, self.window)
-        else:  # LSTM details, #1: orthogonal weights, zero biases
-            self.cell = (nn.LSTMCell if self.kind == "lstm" else nn.GRUCell)(hidden, hidden)
-            for name, weights in self.cell.named_parameters():
-                nn.init.orthogonal_(weights) if "weight" in name else nn.init.zeros_(weights)
-        self.critic = layer(hidden, 1, gain=1.0)
-        self.actor = layer(hidden, num_actions, gain=0.01)
+        else:  # one cell each: a shared one, pulled by the value loss too, fails StatelessAcrobot
+            self.actor_memory, self.critic_memory = (
+                RecurrentCell(self.kind, self.input_size, hidden) for _ in range(2))
+        self.critic, self.actor = layer(hidden, 1, gain=1.0), layer(hidden, num_actions, gain=0.01)
 
     @property
     def obs_stats(self) -> RunningMeanStd:
         return RunningMeanStd(self.obs_mean, self.obs_var, self.obs_count)
 
     def initial_memory(self, batch: int, device=None) -> tuple:  # zeros (LSTM details, #2)
-        count = {"lstm": 2, "gru": 1}.get(self.kind, 0)
-        return tuple(torch.zeros(batch, self.cell.hidden_size, device=device) for _ in range(count))
+        hidden, count = self.config.hidden_size, {"lstm": 4, "gru": 2}.get(self.kind, 0)
+        return tuple(torch.zeros(batch, hidden, device=device) for _ in range(count))
 
     def remember(self, inputs: torch.Tensor, starts: torch.Tensor, memory: tuple):
         """The features of each step: [L, B, D] rows -> ([L', B, F], the memory after the last row).
@@ -423,37 +445,36 @@ class Model(nn.Module):
         the same rows from the same state, rebuilds the same states, now with a gradient."""
         if self.kind in ("none", "framestack"):  # none: a window of 1
             return stack_frames(inputs, starts, self.window), memory
-        encoded = self.encoder(inputs)
         if self.kind == "attention":  # no state: the window of raw rows is the memory
-            return self.attention(*episode_windows(encoded, starts, self.window)), memory
-        features = []
-        for x, start in zip(encoded, starts):
-            # LSTM details, #3: the state restarts at zero where an episode starts (a reset at the
-            # end of the one before), in a rollout and in training (#5: rebuilt step by step).
-            memory = tuple(state * (1.0 - start)[:, None] for state in memory)
-            memory = self.cell(x, memory) if self.kind == "lstm" else (self.cell(x, memory[0]),)
-            features.append(memory[0])
-        return torch.stack(features), memory
+            windows = episode_windows(self.encoder(inputs), starts, self.window)
+            return self.attention(*windows), memory
+        half = len(memory) // 2  # the actor's state, then the critic's; their h side by side
+        actor, actor_memory = self.actor_memory(inputs, starts, memory[:half])
+        critic, critic_memory = self.critic_memory(inputs, starts, memory[half:])
+        return torch.cat([actor, critic], dim=-1), actor_memory + critic_memory
 
-    def value(self, features: torch.Tensor) -> torch.Tensor:  # V(h), [...]
-        return self.critic(features).squeeze(-1)
+    def heads(self, features: torch.Tensor) -> tuple:
+        """The policy's logits [..., actions] and V(h) [...] (lstm, gru: each from its half)."""
+        halves = features.chunk(2, dim=-1) if self.kind in ("lstm", "gru") else (features, features)
+        return self.actor(halves[0]), self.critic(halves[1]).squeeze(-1)
 
     def act(self, inputs, starts, memory, greedy: bool = False):
         """Actions for each env's last row: (actions [B], log-probs, values, memory after it)."""
         features, memory = self.remember(inputs, starts, memory)
-        log_probs = torch.log_softmax(self.actor(features[-1]), dim=-1)
+        logits, values = self.heads(features[-1])
+        log_probs = torch.log_softmax(logits, dim=-1)
         actions = log_probs.argmax(-1) if greedy else torch.multinomial(log_probs.exp(), 1)[:, 0]
         log_prob = log_probs.gather(-1, actions[:, None]).squeeze(-1)
-        return actions, log_prob, self.value(features[-1]), memory
+        return actions, log_prob, values, memory
 
     def evaluate_actions(self, inputs, starts, memory, actions):
         """For the loss: the taken actions' [T, B] log-probabilities under the current policy, its
         entropy and the values, flattened time-major."""
-        features, _ = self.remember(inputs, starts, memory)
-        log_probs = torch.log_softmax(self.actor(features), dim=-1)
+        logits, values = self.heads(self.remember(inputs, starts, memory)[0])
+        log_probs = torch.log_softmax(logits, dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return log_prob.flatten(), entropy.flatten(), self.value(features).flatten()
+        return log_prob.flatten(), entropy.flatten(), values.flatten()
 
 
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
@@ -540,7 +561,7 @@ def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tenso
     earlier = slice(row + 2 - model.window, row + 1)
     features, _ = model.remember(torch.cat([rollout.inputs[earlier], new_input[None]]),
                                  torch.cat([rollout.starts[earlier], new_start[None]]), memory)
-    return model.value(features[-1])
+    return model.heads(features[-1])[1]
 
 
 class Trainer:
@@ -1600,8 +1621,15 @@ def with_kind_defaults(config: Config) -> Config:
               if getattr(config, name) is None}
     return dataclasses.replace(config, **chosen)
 
-# The observation spaces besides Box that ppo_spaces.py reads, alone or nested.
-SPACES_OBSERVATIONS = ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
+
+def flattens(space: gym.spaces.Space) -> bool:
+    """Whether `Game` makes a vector of it: Box, Discrete, MultiDiscrete and MultiBinary spaces (the
+    discrete ones one-hot), alone or in a Tuple or Dict (POPGym's Autoencode observes a pair)."""
+    if isinstance(space, (gym.spaces.Tuple, gym.spaces.Dict)):
+        parts = space.spaces.values() if isinstance(space, gym.spaces.Dict) else space.spaces
+        return all(flattens(part) for part in parts)
+    return isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
+                              gym.spaces.MultiBinary))
 
 
 def check_settings(config: Config):
@@ -1643,6 +1671,11 @@ def inspect_env(env_id: str):
     """Check that the env exists and that this script can play it. Returns (observation size,
     number of actions)."""
     register_stateless_envs()
+    if env_id.startswith("popgym-") and env_id not in gym.registry:
+        try:
+            import popgym  # noqa: F401 (registers its games with gymnasium)
+        except ImportError:
+            raise UsageError(f"{env_id} is a POPGym game: pip install popgym") from None
     if env_id not in gym.registry:
         with contextlib.suppress(ImportError):  # ale-py registers the Atari ids: say where they go
             import ale_py
@@ -1661,14 +1694,16 @@ def inspect_env(env_id: str):
     obs_space, action_space = env.observation_space, env.action_space
     env.close()
     kind = type(obs_space).__name__
-    if not isinstance(obs_space, gym.spaces.Box):
-        raise UsageError(f"{env_id} has a {kind} observation space; " + (
-            "use ppo_spaces.py, which reads any nest of spaces" if kind in SPACES_OBSERVATIONS
-            else f"no script of this library handles {kind} observations yet"))
-    if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
+    if not flattens(obs_space):
+        nest = kind in ("Dict", "Tuple")
+        raise UsageError(f"{env_id} has a {obs_space} observation space; this script reads Box, "
+                         f"Discrete, MultiDiscrete, MultiBinary parts: " + (
+            "use ppo_spaces.py (no memory), which leaves out the others" if nest
+            else f"no script of this library reads {kind} ones yet"))
+    if obs_space.dtype == np.uint8 and len(obs_space.shape or ()) >= 2:
         raise UsageError(f"{env_id} observes images {obs_space.shape}; use ppo_spaces.py (a CNN "
                          f"sized to the image) or, for Atari, ppo_atari.py")
-    obs_size = int(np.prod(obs_space.shape))
+    obs_size = gym.spaces.flatdim(obs_space)
     if isinstance(action_space, gym.spaces.Discrete):
         return obs_size, int(action_space.n)
     if isinstance(action_space, gym.spaces.Box):
