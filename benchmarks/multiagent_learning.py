@@ -21,7 +21,9 @@ the competitive ones.
      0.99), `learn(total_timesteps=N)`, in a child process of this same file (`--_sb3-child`).
      Each slot is one agent: an episode record is one agent's return, and SuperSuit's conversion
      treats the 25-step cut as a death (no bootstrap).
-  5. `random`: uniformly random actions for every agent, in this process, `--random-episodes`
+  5. `sb3_continuous`: `sb3` on `parallel_env(continuous_actions=True)` (SB3's Gaussian policy
+     on the 5 action numbers, which the env clips to [0, 1]).
+  6. `random`: uniformly random actions for every agent, in this process, `--random-episodes`
      episodes (default 100); the return per agent as above.
   With `--race` (after SB3's runs, whose logs may be kept from an earlier call): R = the mean over
   the seeds of SB3's final return (its last 100 episode records), and for each seed
@@ -103,12 +105,14 @@ class Setting:
     steps: int
     our_variants: dict = dataclasses.field(default_factory=dict)  # variant -> our extra arguments
     sb3_pad: bool = False  # SuperSuit's pad_observations_v0 and pad_action_space_v0 for SB3
+    sb3_variants: dict = dataclasses.field(default_factory=lambda: {"sb3": {}})  # -> env kwargs
 
 
 SETTINGS = {
     "simple_spread": Setting("mpe2.simple_spread_v3", "curves", 600_000, {
         "central": [], "independent": ["--no-central-value"],
-        "continuous": ["--env-kwargs", "continuous_actions=True"]}),
+        "continuous": ["--env-kwargs", "continuous_actions=True"]},
+        sb3_variants={"sb3": {}, "sb3_continuous": {"continuous_actions": True}}),
     "speaker_listener": Setting("mpe2.simple_speaker_listener_v4", "curves", 400_000,
                                 {"ours": []}, sb3_pad=True),
     "tag": Setting("mpe2.simple_tag_v3", "matchups", 400_000),
@@ -121,13 +125,15 @@ LABELS = {"central": "ours, ppo_multiagent.py (defaults: centralised value, MAPP
           "ours": "ours, ppo_multiagent.py (defaults: a policy group per kind of agent)",
           "sb3": "SB3 PPO + SuperSuit parameter sharing (PettingZoo's recipe)",
           "sb3_padded": "SB3 PPO + SuperSuit, observations and actions padded (one policy)",
+          "sb3_continuous": "SB3 PPO + SuperSuit, continuous_actions=True (Gaussian policy)",
           "random": "random policy"}
 COLORS = {"central": "tab:blue", "independent": "tab:orange", "continuous": "tab:purple",
-          "ours": "tab:blue", "sb3": "tab:green", "random": "tab:gray"}
+          "ours": "tab:blue", "sb3": "tab:green", "sb3_continuous": "tab:olive",
+          "random": "tab:gray"}
 
 
 def curves_bench(name, setting):
-    variants = (*setting.our_variants, "sb3", "random")
+    variants = (*setting.our_variants, *setting.sb3_variants, "random")
     return Learning(
         name="multiagent_learning" if name == "simple_spread" else f"multiagent_{name}",
         script=SCRIPT, variants=variants,
@@ -149,10 +155,10 @@ def curves_bench(name, setting):
 # --------------------------------------------------------------------------------------------------
 
 
-def sb3_child(seed, out_file, total_timesteps, env_id, pad):
-    """Train SB3 PPO on SuperSuit's parameter-sharing conversion (with `pad`: observations and
-    actions padded to one shape first); write every finished episode record (one agent's) and the
-    timings as JSON."""
+def sb3_child(seed, out_file, total_timesteps, env_id, pad, env_kwargs):
+    """Train SB3 PPO on SuperSuit's parameter-sharing conversion of `env_id`'s parallel_env(
+    **env_kwargs) (with `pad`: observations and actions padded to one shape first); write every
+    finished episode record (one agent's) and the timings as JSON."""
     setup_start = time.perf_counter()
     import importlib
 
@@ -161,7 +167,7 @@ def sb3_child(seed, out_file, total_timesteps, env_id, pad):
     from stable_baselines3.common.utils import set_random_seed
     from stable_baselines3.common.vec_env import VecMonitor
 
-    env = importlib.import_module(env_id).parallel_env()
+    env = importlib.import_module(env_id).parallel_env(**env_kwargs)
     if pad:
         env = ss.pad_action_space_v0(ss.pad_observations_v0(env))
     env.reset(seed=seed)
@@ -206,8 +212,8 @@ def play_random(args):
 
 def run_variant(variant, seed, args):
     """One training run: (run record, episodes, output tail)."""
-    if variant == "sb3":
-        child_args = ["--steps", str(args.steps), "--env", args.env_name]
+    if variant in args.setting.sb3_variants:
+        child_args = ["--steps", str(args.steps), "--env", args.env_name, "--sb3-variant", variant]
         return run_sb3_logged(__file__, seed, child_args, args)
     script_args = ["--env", args.env, "--seed", str(seed), "--total-timesteps", str(args.steps),
                    *args.setting.our_variants[variant]]
@@ -502,6 +508,7 @@ def parse_args():
                         help="matchups: episodes per matchup and seed")
     parser.add_argument("--matchups-only", action="store_true",
                         help="matchups: play them from the kept runs, train nothing")
+    parser.add_argument("--sb3-variant", default="sb3", help=argparse.SUPPRESS)  # the child's
     name = next((sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == "--env"),
                 "simple_spread")
     setting = SETTINGS.get(name, SETTINGS["simple_spread"])
@@ -523,7 +530,8 @@ def main():
     args = parse_args()
     if args.sb3_child:
         seed, out_file = args.sb3_child
-        sb3_child(int(seed), out_file, args.steps, args.env, args.setting.sb3_pad)
+        sb3_child(int(seed), out_file, args.steps, args.env, args.setting.sb3_pad,
+                  args.setting.sb3_variants[args.sb3_variant])
         return
     if args.setting.mode == "matchups":
         if not args.plot_only:
@@ -539,7 +547,8 @@ def main():
     if args.plot_only:
         learning_report(args.bench, args)
         return
-    check_ready(SCRIPT, sb3="sb3" in args.variants and not args.race_only)
+    check_ready(SCRIPT, sb3=any(v in args.setting.sb3_variants for v in args.variants)
+                and not args.race_only)
     if not args.race_only:
         run_learning(args.bench, args, run_variant, play_random)
     if args.race or args.race_only:
