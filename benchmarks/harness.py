@@ -501,6 +501,14 @@ def load_runs(results_dir):
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def append_table(results_dir, text):
+    """Print a table, and append it to the results dir's table.md (after `learning_report`'s)."""
+    print()
+    print(text, end="")
+    with open(Path(results_dir) / "table.md", "a") as table:
+        table.write("\n" + text)
+
+
 def save_run(results_dir, key, record):
     """Put one run's record into runs.json under `key`, keeping every other key."""
     runs = load_runs(results_dir)

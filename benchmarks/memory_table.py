@@ -69,10 +69,10 @@ import textwrap
 import time
 from pathlib import Path
 
-from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready,
-                     first_reaching, fmt, learning_arguments, learning_report, linear_schedule,
-                     load_report, mean_std, nice_prefix, read_timed_episodes, run_learning,
-                     run_sb3_logged, run_status, timed_run)
+from harness import (REPO_ROOT, WINDOW, Learning, append_table, check_learning_arguments,
+                     check_ready, first_reaching, fmt, learning_arguments, learning_report,
+                     linear_schedule, load_report, mean_std, nice_prefix, read_timed_episodes,
+                     run_learning, run_sb3_logged, run_status, timed_run)
 
 # This file's top level imports only the standard library (and harness.py, which does too), so that
 # the SB3 child pays for its own imports just like our script does.
@@ -294,15 +294,6 @@ def time_table(args):
     return "\n".join(lines + [""] + textwrap.wrap(notes, width=100) + ["", ratio]) + "\n"
 
 
-def append_time_table(args):
-    """Print the table of steps and seconds, and append it to table.md (after harness.py's)."""
-    text = time_table(args)
-    print()
-    print(text, end="")
-    with open(args.results_dir / "table.md", "a") as table:
-        table.write("\n" + text)
-
-
 # --------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------
@@ -342,7 +333,7 @@ def main():
         check_ready(BENCH.script if set(KINDS) & set(args.variants) else None,
                     sb3="sb3" in args.variants)
         run_learning(BENCH, args, run_variant, play_random)  # ends with learning_report
-    append_time_table(args)
+    append_table(args.results_dir, time_table(args))
 
 
 if __name__ == "__main__":

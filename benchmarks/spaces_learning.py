@@ -224,11 +224,11 @@ import textwrap
 import time
 from pathlib import Path
 
-from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready,
-                     display, first_reaching, fmt, learning_arguments, learning_plot,
-                     learning_report, load_report, mean_std, nice_prefix, read_csv,
-                     random_episodes, read_timed_episodes, run_learning, run_sb3_logged,
-                     run_status, save_run, sb3_learn_and_record, timed_run, write_csv)
+from harness import (REPO_ROOT, WINDOW, Learning, append_table, check_learning_arguments,
+                     check_ready, display, first_reaching, fmt, learning_arguments, learning_plot,
+                     learning_report, load_report, mean_std, nice_prefix, read_csv, random_episodes,
+                     read_timed_episodes, run_learning, run_sb3_logged, run_status, save_run,
+                     sb3_learn_and_record, timed_run, write_csv)
 
 # This file's top level imports only the standard library (and harness.py, which does too), so that
 # the MaskablePPO child pays for its own imports just like our script does.
@@ -585,15 +585,6 @@ def time_table(args):
     return "\n".join(lines) + "\n"
 
 
-def append_time_table(args):
-    """Print the table of steps and seconds, and append it to table.md (after harness.py's)."""
-    text = time_table(args)
-    print()
-    print(text, end="")
-    with open(args.results_dir / "table.md", "a") as table:
-        table.write("\n" + text)
-
-
 # --------------------------------------------------------------------------------------------------
 # Blackjack: the exact values of the optimal and the random policy, the table and the plot
 # --------------------------------------------------------------------------------------------------
@@ -841,7 +832,7 @@ def main():
             check_installed("minigrid", "pip install -r benchmarks/requirements.txt")
         run_learning(bench, args, run_variant, play_random)  # ends with learning_report
     if args.env in TIMED:
-        append_time_table(args)
+        append_table(args.results_dir, time_table(args))
     elif args.env == BLACKJACK:
         blackjack_report(args)
     else:
