@@ -74,6 +74,7 @@ class Config:
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than solving CartPole)")
+    numpy_on_cpu: bool = option(True, "on the CPU, play and learn in NumPy: less overhead")
 
 
 def parse_config(argv=None) -> Config:
@@ -384,9 +385,8 @@ class Trainer:
         return loss, stats
 
     def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
-        new_log_probs, entropy, new_values = self.model.evaluate_actions(minibatch.obs,
-                                                                         minibatch.actions)
-        return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
+        evaluated = self.model.evaluate_actions(minibatch.obs, minibatch.actions)  # log pi, H, V
+        return self.ppo_loss(minibatch, *evaluated, self.config)
 
     def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
         loss, stats = self.compute_loss(minibatch)
@@ -731,6 +731,202 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
+# ----- The CPU's fast path: the same step in NumPy ------------------------------------------------
+
+
+def use_numpy_on_cpu(main: Main):
+    """--numpy-on-cpu (the default). On the CPU a CartPole run is mostly overhead: torch's eager
+    dispatch costs a few microseconds for each of the ~40 small operations of a rollout step, a
+    1,024-row gradient step with autograd costs twice its arithmetic, and on some CPUs torch's tanh
+    takes 6x NumPy's (benchmarks/README.md). So NumpyPlayer and NumpyLearner compute the lesson's
+    formulas again in NumPy, on the lesson's own tensors (a CPU tensor and its `.numpy()` share
+    memory): the weights and Adam's moments stay the ones checkpoints save, --eval plays and
+    torchrun copies. tests/ check both against the lesson's torch code: they agree up to rounding.
+    torchrun keeps torch's gradient step (its gradients are averaged over the ranks); --compile
+    keeps torch throughout."""
+    config, guard = main.config, main.guard
+    if not config.numpy_on_cpu or guard.device.type != "cpu" or config.compile:
+        return
+    if guard.ranks.world_size == 1:
+        main.trainer.gradient_step = NumpyLearner(main).gradient_step
+    main.collect_rollout = NumpyPlayer(main).collect_rollout  # (after the learner: see there)
+
+
+def numpy_layers(mlp: nn.Sequential) -> list:
+    """(W [out, in], b [out]) of each Linear of one of the Model's MLPs, as NumPy views."""
+    return [(linear.weight.detach().numpy(), linear.bias.detach().numpy()) for linear in mlp[::2]]
+
+
+def numpy_mlp(layers: list, x: np.ndarray, inputs: Optional[list] = None) -> np.ndarray:
+    """x through Linear-tanh-Linear-tanh-Linear; `inputs` collects each layer's input."""
+    for index, (weight, bias) in enumerate(layers):
+        if inputs is not None:
+            inputs.append(x)
+        x = x @ weight.T + bias
+        if index < len(layers) - 1:
+            x = np.tanh(x)
+    return x
+
+
+def numpy_log_policy(model: Model, actor_out: np.ndarray) -> np.ndarray:
+    """Model.logits, then log_softmax: the actor's output [n, outputs] as log-probabilities
+    [n, dims, choices]."""
+    if model.binary:
+        logits = np.stack([np.zeros_like(actor_out), actor_out], -1)
+    else:
+        logits = (actor_out.reshape(len(actor_out), len(model.action_dims), model.num_choices)
+                  + model.logit_padding.numpy())
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+class NumpyPlayer:
+    """Main.collect_rollout in NumPy (see use_numpy_on_cpu)."""
+
+    def __init__(self, main: Main):
+        self.main, self.config, self.guard = main, main.config, main.guard
+        self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
+        self.last_choices = np.array(main.model.action_dims) - 1  # [dims]
+
+    def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
+        """Main.collect_rollout, step for step (its comments say why). An action is drawn as the
+        first choice whose cumulative probability exceeds a uniform number (inverting the
+        categorical's distribution function); the numbers come from torch's seeded generator,
+        once a rollout."""
+        main, config, guard, rollout = self.main, self.config, self.guard, self.main.rollout
+        obs, actions, log_probs, values, rewards, dones = (
+            tensor.numpy() for tensor in (rollout.obs, rollout.actions, rollout.log_probs,
+                                          rollout.values, rollout.rewards, rollout.dones))
+        uniforms = torch.rand(actions.shape).numpy()[..., None]  # [num_steps, num_envs, dims, 1]
+        ended = []
+        for step in range(config.num_steps):
+            if guard.stop_at_once():
+                break
+            obs[step] = next_obs.numpy()
+            log_policy = numpy_log_policy(main.model, numpy_mlp(self.actor, obs[step]))
+            below = (np.cumsum(np.exp(log_policy), -1) <= uniforms[step]).sum(-1)
+            actions[step] = np.minimum(below, self.last_choices)  # (a sum rounded below 1)
+            log_probs[step] = np.take_along_axis(log_policy, actions[step, ..., None],
+                                                 -1).sum((-1, -2))
+            values[step] = numpy_mlp(self.critic, obs[step])[:, 0]
+            result = main.games.step(actions[step])
+            next_obs = main.games.observations()
+            rewards[step] = result.rewards
+            cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
+            if cut:
+                cut_obs = np.stack([result.final_obs[i] for i in cut])
+                rewards[step, cut] += config.gamma * numpy_mlp(self.critic, cut_obs)[:, 0]
+            dones[step] = result.terminated | result.truncated
+            main.global_step += guard.steps_per_step
+            ended += [(main.global_step, episode) for episode in result.episodes.values()]
+        guard.after_rollout(ended)
+        return next_obs
+
+
+class NumpyLearner:
+    """Trainer.gradient_step in NumPy (see use_numpy_on_cpu): Trainer.ppo_loss, its gradient by
+    the chain rule written out from the loss back to each weight, the global norm clipped, Adam's
+    step. The model's weights and Adam's moments move into one flat array each (the tensors stay,
+    their memory a view into it), so that clipping and Adam are a few operations on all at once."""
+
+    def __init__(self, main: Main):
+        self.config, self.model, optimizer = main.config, main.model, main.trainer.optimizer
+        named = list(main.model.named_parameters())  # the order of optimizer.params
+        total = sum(param.numel() for _, param in named)
+        self.params, self.exp_avg, self.exp_avg_sq, self.grad = (
+            np.zeros(total, np.float32) for _ in range(4))
+        self.grads, self.optimizer, offset = {}, optimizer, 0  # grads: name -> view of `grad`
+        for index, (name, param) in enumerate(named):
+            part, shape = slice(offset, offset + param.numel()), param.shape
+            param.data = torch.from_numpy(self.params[part]).view(shape).copy_(param.data)
+            for flat, moments in ((self.exp_avg, optimizer.exp_avg),
+                                  (self.exp_avg_sq, optimizer.exp_avg_sq)):
+                moments[index] = torch.from_numpy(flat[part]).view(shape).copy_(moments[index])
+            self.grads[name] = self.grad[part].reshape(shape)
+            offset += param.numel()
+        self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
+
+    def gradient_step(self, minibatch: Minibatch) -> dict:
+        config, (obs, actions, old_log_probs, advantages, returns, old_values) = (
+            self.config, (tensor.numpy() for tensor in minibatch))
+        n, clip = len(obs), self.config.clip_coef
+        actor_inputs, critic_inputs = [], []  # each layer's input, for its gradient
+        log_policy = numpy_log_policy(self.model, numpy_mlp(self.actor, obs, actor_inputs))
+        new_values = numpy_mlp(self.critic, obs, critic_inputs)[:, 0]
+        policy = np.exp(log_policy)  # [n, dims, choices]
+        entropies = -(policy * log_policy).sum(-1)  # [n, dims]
+        new_log_probs = np.take_along_axis(log_policy, actions[..., None], -1).sum((-1, -2))
+        centred = advantages - advantages.sum() / n
+        advantages = centred / (np.sqrt((centred ** 2).sum() / (n - 1)) + 1e-8)
+        log_ratio = new_log_probs - old_log_probs
+        ratio = np.exp(log_ratio)
+        clipped_ratio = np.minimum(np.maximum(ratio, 1 - clip), 1 + clip)
+        unclipped_term, clipped_term = -advantages * ratio, -advantages * clipped_ratio
+        policy_loss = np.maximum(unclipped_term, clipped_term).sum() / n
+        # d loss / d ratio flows through the larger term (a tie splits it, as torch.max does);
+        # the clipped one passes it only inside [1 - eps, 1 + eps], where clamp is the identity.
+        inside = (ratio >= 1 - clip) & (ratio <= 1 + clip)
+        d_ratio = np.where(unclipped_term > clipped_term, -advantages,
+                           np.where(unclipped_term < clipped_term, -advantages * inside,
+                                    -advantages * (1 + inside) / 2)) / n
+        d_log_probs = d_ratio * ratio  # ratio = exp(log_ratio)
+        # With logits z and pi = softmax(z): log pi_a = z_a - log sum exp z, so d log pi_a / d z
+        # = onehot(a) - pi; the entropy H = -sum pi log pi has d H / d z = -pi (log pi + H), and
+        # the loss holds -ent_coef * H averaged over the rows.
+        taken = np.arange(log_policy.shape[-1]) == actions[..., None]  # one-hot [n, dims, choices]
+        d_logits = (d_log_probs[:, None, None] * (taken - policy)
+                    + config.ent_coef / n * policy * (log_policy + entropies[..., None]))
+        d_actor_out = d_logits[..., 1] if self.model.binary else d_logits.reshape(n, -1)
+        squared = (new_values - returns) ** 2
+        d_squared = 2 * (new_values - returns)
+        if config.clip_value_loss:  # the larger of the two squares, as for the policy
+            moved = new_values - old_values
+            clipped_values = old_values + np.minimum(np.maximum(moved, -clip), clip)
+            clipped_squared = (clipped_values - returns) ** 2
+            d_clipped = 2 * (clipped_values - returns) * ((moved >= -clip) & (moved <= clip))
+            d_squared = np.where(squared > clipped_squared, d_squared,
+                                 np.where(squared < clipped_squared, d_clipped,
+                                          (d_squared + d_clipped) / 2))
+            squared = np.maximum(squared, clipped_squared)
+        value_loss = 0.5 * squared.sum() / n
+        d_values = d_squared * (0.5 * config.vf_coef / n)
+        self.backpropagate("critic", self.critic, critic_inputs, d_values[:, None])
+        self.backpropagate("actor", self.actor, actor_inputs, d_actor_out)
+        grad_norm = self.clip_and_step()
+        with np.errstate(all="ignore"):  # (a NaN is RunGuard's to report)
+            approx_kl = ((ratio - 1) - log_ratio).sum() / n
+            clip_fraction = (np.abs(ratio - 1) > clip).sum() / n
+        stats = torch.tensor([policy_loss, value_loss, entropies.sum() / n, approx_kl,
+                              clip_fraction, grad_norm], dtype=torch.float32)
+        return dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
+                         "grad_norm"), stats.unbind()))
+
+    def backpropagate(self, name: str, layers: list, inputs: list, d_out: np.ndarray):
+        """Through numpy_mlp, last layer first: for y = x W^T + b, dW = dy^T x, db = sum dy and
+        dx = dy W; through x = tanh(u), du = dx (1 - x^2). Writes dW and db into self.grads."""
+        for index in reversed(range(len(layers))):
+            x = inputs[index]
+            self.grads[f"{name}.{2 * index}.weight"][...] = d_out.T @ x
+            self.grads[f"{name}.{2 * index}.bias"][...] = d_out.sum(0)
+            if index > 0:
+                d_out = (d_out @ layers[index][0]) * (1 - x * x)
+
+    def clip_and_step(self) -> float:
+        """nn.utils.clip_grad_norm_ (the global norm scaled down to max_grad_norm), then `Adam`'s
+        step, on all weights at once. Returns the norm before clipping."""
+        optimizer, grad, m, v = self.optimizer, self.grad, self.exp_avg, self.exp_avg_sq
+        norm = float(np.sqrt(np.dot(grad, grad)))
+        grad *= np.float32(min(1.0, self.config.max_grad_norm / (norm + 1e-6)))
+        (beta1, beta2), optimizer.steps = optimizer.betas, optimizer.steps + 1
+        m += (1 - beta1) * (grad - m)
+        v *= beta2
+        v += (1 - beta2) * grad * grad
+        denominator = np.sqrt(v) / math.sqrt(1 - beta2 ** optimizer.steps) + optimizer.eps
+        params = self.params
+        params -= optimizer.lr / (1 - beta1 ** optimizer.steps) * m / denominator
+        return norm
+
+
 # ----- Adam and compilation -----------------------------------------------------------------------
 
 
@@ -1012,6 +1208,7 @@ class RunGuard:
         self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
         if main.config.compile:
             compile_learner(main)
+        use_numpy_on_cpu(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
         return main.global_step
