@@ -23,7 +23,6 @@ import math
 import subprocess
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 
@@ -32,22 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ppo_continuous as pc  # noqa: E402  (the script under test, from the repository root)
-from harness import REPO_ROOT, machine, machine_line, warn_if_busy  # noqa: E402
+from harness import REPO_ROOT, machine, machine_line, microseconds, warn_if_busy  # noqa: E402
 
 OBS, ACTIONS, ROWS, STEPS = 17, 6, 64, 2048
 CLEANRL_FLAGS = ["--env", "HalfCheetah-v5", "--num-envs", "1", "--num-steps", "2048",
                  "--num-minibatches", "32", "--update-epochs", "10", "--learning-rate", "3e-4",
                  "--gamma", "0.99", "--gae-lambda", "0.95", "--clip-value-loss"]
-
-
-def microseconds(function, repeats: int) -> float:
-    """The mean time of one call, after 10 calls of warm-up."""
-    for _ in range(10):
-        function()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        function()
-    return (time.perf_counter() - start) / repeats * 1e6
 
 
 def learners(config):

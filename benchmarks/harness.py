@@ -53,6 +53,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TAIL_LINES = 25  # lines of a failed run's output to show
 
 
+def microseconds(function, repeats: int) -> float:
+    """The mean time of one call, after 10 calls of warm-up."""
+    for _ in range(10):
+        function()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        function()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
 def linear_schedule(initial_value):
     """Decays linearly from `initial_value` to 0 over the whole budget (the rl-zoo's `lin_<x>`, and how
     ours anneals its learning rate).
