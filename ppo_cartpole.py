@@ -736,20 +736,20 @@ class WorkerPool:
 
 def use_numpy_on_cpu(main: Main):
     """--numpy-on-cpu (the default). On the CPU a CartPole run is mostly overhead: torch's eager
-    dispatch costs a few microseconds for each of the ~40 small operations of a rollout step, a
-    1,024-row gradient step with autograd costs twice its arithmetic, and on some CPUs torch's tanh
-    takes 6x NumPy's (benchmarks/README.md). So NumpyPlayer and NumpyLearner compute the lesson's
-    formulas again in NumPy, on the lesson's own tensors (a CPU tensor and its `.numpy()` share
-    memory): the weights and Adam's moments stay the ones checkpoints save, --eval plays and
-    torchrun copies. tests/ check both against the lesson's torch code: they agree up to rounding.
-    torchrun keeps torch's gradient step (its gradients are averaged over the ranks); --compile
-    keeps torch throughout."""
+    dispatch costs a few microseconds for each of the ~40 small operations of a rollout step, and
+    a 1,024-row gradient step with autograd costs more than the same arithmetic in NumPy, whose tanh
+    is several times faster than torch's on some CPUs (benchmarks/README.md). So NumpyPlayer and
+    NumpyLearner compute the lesson's formulas again in NumPy, on the lesson's own tensors (a CPU
+    tensor and its `.numpy()` share memory): the weights and Adam's moments stay the ones
+    checkpoints save, --eval plays and torchrun copies. tests/ check both against the lesson's
+    torch code: they agree up to rounding. torchrun keeps torch's gradient step (its gradients are
+    averaged over the ranks); --compile keeps torch throughout."""
     config, guard = main.config, main.guard
     if not config.numpy_on_cpu or guard.device.type != "cpu" or config.compile:
         return
     if guard.ranks.world_size == 1:
         main.trainer.gradient_step = NumpyLearner(main).gradient_step
-    main.collect_rollout = NumpyPlayer(main).collect_rollout  # (after the learner: see there)
+    main.collect_rollout = NumpyPlayer(main).collect_rollout  # (its views: after the learner's)
 
 
 def numpy_layers(mlp: nn.Sequential) -> list:
