@@ -1,21 +1,15 @@
 """PPO for environments of any gymnasium space: nests of observations and actions, action masks.
 
 Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the details of CleanRL and
-SB3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details") named where used.
+SB3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details"; "continuous #1-#9").
 
-The idea. Policy gradient improves a policy with games it just played, and can use each batch of
-them only once: afterwards the policy has changed. PPO reuses each batch ("rollout") for several
-epochs of minibatch steps, and keeps the new policy near the one that played by clipping the
-probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t) (`Trainer.ppo_loss` derives it). The
-advantage A_t, how much better action a_t did than the value V(s_t) expected, comes from the
-rewards r_t by Generalized Advantage Estimation (`compute_gae` derives it).
-
-The spaces. An env of one's own sees a Dict of an image, a direction and a text, or a Tuple, and
-acts with a Dict of a choice and a number. Here an observation is a nest (Dict, Tuple) of leaves,
-each read by an encoder of its kind (`Encoder`), the features side by side; an action is a nest of
-leaves, each drawn from a head of its own (`ActionHead`): drawn independently given the state, so
-log pi(a|s) and the entropy are sums over the leaves. An action mask (`info["action_mask"]`, or an
-observation key "action_mask") gives the choices it forbids probability 0.
+The idea. Policy gradient uses each batch of games once: afterwards the policy has changed. PPO
+reuses each batch ("rollout") for several epochs of minibatch steps, keeping the new policy near the
+one that played by clipping the probability ratio rho_t = pi(a_t|s_t) / pi_old(a_t|s_t)
+(`Trainer.ppo_loss`). The advantage A_t, how much better a_t did than the value V(s_t) expected,
+comes from the rewards r_t by GAE (`compute_gae`). An observation is a nest (Dict, Tuple) of leaves,
+each read by an encoder of its kind (`Encoder`); an action is a nest of leaves, each drawn from a
+head of its own (`ActionHead`); an action mask gives the choices it forbids probability 0.
 
 Run it:         python ppo_spaces.py            (Taxi-v4, with its action masks; --help lists flags)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_spaces.py   (data parallel: `Ranks`)
@@ -42,9 +36,8 @@ def option(default, help, check=None):  # a Config field, its --help line, its v
 
 @dataclasses.dataclass
 class Config:
-    """Every setting of a run, each a command-line flag (`num_envs` -> `--num-envs`). The default
-    env, Taxi-v4, exercises the idea and learns in seconds on a CPU: a Discrete observation
-    (one-hot) and masks in `info` (a taxi cannot drive into a wall or drop off nobody)."""
+    """Every setting of a run, each a command-line flag (`num_envs` -> `--num-envs`). Taxi-v4
+    learns in seconds on a CPU: a Discrete observation, masks in `info` (no driving into walls)."""
 
     # PPO's hyperparameters.
     learning_rate: float = option(2.5e-3, "Adam's step size, annealed linearly to 0", "> 0")
@@ -125,17 +118,15 @@ from gymnasium import spaces
 
 
 def leaves(space, path: tuple = ()) -> list:
-    """The leaves of a nest of spaces, depth first, as [(path, space)]: a path holds the keys and
-    indexes that lead to the leaf (("image",), (0, "x"); () for a space that is a leaf)."""
-    if isinstance(space, spaces.Dict):
-        return [leaf for key, sub in space.spaces.items() for leaf in leaves(sub, path + (key,))]
-    if isinstance(space, spaces.Tuple):
-        return [leaf for index, sub in enumerate(space) for leaf in leaves(sub, path + (index,))]
+    """The leaves of a nest (Dict, Tuple) of spaces, depth first: [(path, space)], a path the keys
+    and indexes that lead to the leaf (("image",), (0, "x"); () for a space that is a leaf)."""
+    if isinstance(space, (spaces.Dict, spaces.Tuple)):
+        subs = space.spaces.items() if isinstance(space, spaces.Dict) else enumerate(space)
+        return [leaf for key, sub in subs for leaf in leaves(sub, path + (key,))]
     return [(path, space)]
 
 
-def nest_of(space, values):
-    """The nest of `space` with the leaves' values taken in turn from the iterator `values`."""
+def nest_of(space, values):  # the nest of `space`, its leaves' values taken in turn from `values`
     if isinstance(space, spaces.Dict):
         return {key: nest_of(sub, values) for key, sub in space.spaces.items()}
     if isinstance(space, spaces.Tuple):
@@ -145,8 +136,8 @@ def nest_of(space, values):
 
 def obs_kind(space) -> Optional[str]:
     """How `Encoder` reads an observation leaf: "image" (a uint8 Box of 2 or 3 dimensions), "vector"
-    (another Box), "one-hot" (Discrete, MultiDiscrete), "bits" (MultiBinary); None (Text, Graph,
-    Sequence: no fixed-size numbers): left out, as is a key "action_mask" (the mask: Game)."""
+    (another Box), "one-hot" (Discrete, MultiDiscrete), "bits" (MultiBinary); None: left out (Text,
+    Graph, Sequence: no fixed-size numbers), as is a key "action_mask" (Game reads the mask)."""
     if isinstance(space, spaces.Box):
         return "image" if space.dtype == np.uint8 and len(space.shape) in (2, 3) else "vector"
     if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete)):
@@ -154,17 +145,17 @@ def obs_kind(space) -> Optional[str]:
     return "bits" if isinstance(space, spaces.MultiBinary) else None
 
 
-def observed_leaves(space) -> list:
+def observed_leaves(space) -> list:  # [(path, leaf)] of the leaves that Encoder reads
     return [(path, leaf) for path, leaf in leaves(space)
             if obs_kind(leaf) and path != ("action_mask",)]
 
 
 class Game:
-    """One gymnasium env as PPO sees it. An observation becomes one float32 vector: its observed
-    leaves flattened in turn, then the action mask, if the env gives one (1 allowed, 0 forbidden);
-    an action comes as one float32 row, its leaves' numbers in turn (choices counted from 0). An
-    ended episode restarts in the same step: `step` returns the next one's first observation, and in
-    `info` the ended one's last ("final_obs") and its return and length ("episode")."""
+    """One gymnasium env as PPO sees it: an observation as one float32 vector (its observed leaves
+    in turn, then the action mask if the env gives one: 1 allowed, 0 forbidden), an action as one
+    float32 row (its leaves' numbers in turn). An ended episode restarts in the same step: `step`
+    returns the next one's first observation, in `info` the ended one's last ("final_obs"), return
+    and length ("episode")."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
         # (render_mode only when asked for: an env that cannot draw need not accept it)
@@ -190,8 +181,8 @@ class Game:
         return self.observe(obs, info)
 
     def env_action(self, action: np.ndarray):
-        """The env's nest from the flat row: a choice from its space's start; a Box's numbers
-        clipped to its bounds (continuous #5: the rollout keeps the sampled ones, see Model)."""
+        """The env's nest from the row, leaf by leaf: a choice counted from its space's start, a
+        Box's numbers clipped to its bounds (continuous #5: the rollout keeps the sampled ones)."""
         values, end = [], 0
         for _, space in leaves(self.env.action_space):
             start, end = end, end + int(np.prod(space.shape))  # (Discrete: shape (), 1 number)
@@ -208,9 +199,8 @@ class Game:
         self.episode_length += 1
         obs, info = self.observe(obs, info), {}
         if terminated or truncated:
-            info["final_obs"] = obs
-            info["episode"] = {"return": self.episode_return, "length": self.episode_length}
-            obs = self.reset()
+            episode = {"return": self.episode_return, "length": self.episode_length}
+            obs, info = self.reset(), {"final_obs": obs, "episode": episode}
         return obs, reward, terminated, truncated, info
 
 
@@ -247,9 +237,8 @@ class Worker:
 
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2), kernel_size: int = 0,
           stride: int = 1) -> nn.Module:
-    """A linear layer (a convolution, given a kernel size) with orthogonal weights of the given gain
-    and zero biases (37 details, #2: sqrt(2) in the body; 0.01 for the policy, so that all actions
-    start equally likely; 1 for the value)."""
+    """A linear layer (a convolution, given a kernel size), orthogonal weights, zero biases (37
+    details, #2: gain sqrt(2) in the body; 0.01 for the policy: all actions start alike; 1: V)."""
     module = (nn.Conv2d(in_size, out_size, kernel_size, stride) if kernel_size
               else nn.Linear(in_size, out_size))
     nn.init.orthogonal_(module.weight, gain)
@@ -258,8 +247,8 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2), kernel_size: 
 
 
 class OneHot(nn.Module):
-    """A Discrete or MultiDiscrete leaf: a one-hot vector per dimension, side by side. A choice is
-    a name, not an amount: as a number, the net would take choice 3 for "more" than choice 2."""
+    """A Discrete or MultiDiscrete leaf as a one-hot vector per dimension, side by side: a choice is
+    a name, not an amount (as a number, the net would take choice 3 for "more" than choice 2)."""
 
     def __init__(self, space):
         super().__init__()
@@ -274,16 +263,14 @@ class OneHot(nn.Module):
 
 class ImageEncoder(nn.Module):
     """A uint8 image leaf (HWC, CHW: the channels are the shorter end; HW: one channel), scaled to
-    [0, 1], through a CNN sized to it: 3x3 convolutions, stride 2 while the picture's sides are 16
-    or more, then 1, at most three and while the sides are 3 or more (MiniGrid's 7x7: 7, 5, 3, 1);
-    then a linear layer to hidden_size features."""
+    [0, 1], through a CNN sized to it: 3x3 convolutions, at most three, while its sides are 3 or
+    more, stride 2 while they are 16 or more (MiniGrid's 7x7: 7, 5, 3, 1); then a linear layer."""
 
     def __init__(self, shape: tuple, hidden_size: int):
         super().__init__()
         self.shape = tuple(shape) if len(shape) == 3 else (*shape, 1)  # (HW: one channel, last)
-        self.channels_first = self.shape[0] < self.shape[-1]
+        self.channels_first, layers = self.shape[0] < self.shape[-1], []
         channels, *sides = self.shape if self.channels_first else self.shape[-1:] + self.shape[:2]
-        layers = []
         for out_channels in (32, 64, 64):
             if min(sides) < 3:
                 break
@@ -306,16 +293,14 @@ class Encoder(nn.Module):
 
     def __init__(self, obs_space, hidden_size: int):
         super().__init__()
-        observed = observed_leaves(obs_space)
-        self.sizes = [int(np.prod(space.shape)) for _, space in observed]  # (Discrete: 1)
+        observed = [(space, obs_kind(space)) for _, space in observed_leaves(obs_space)]
+        self.sizes = [int(np.prod(space.shape)) for space, _ in observed]  # (Discrete: 1)
         self.obs_size, ends = sum(self.sizes), np.cumsum(self.sizes).tolist()
-        kinds = [obs_kind(space) for _, space in observed]
-        self.vector_columns = [column for kind, size, end in zip(kinds, self.sizes, ends)
+        self.vector_columns = [column for (_, kind), size, end in zip(observed, self.sizes, ends)
                                if kind == "vector" for column in range(end - size, end)]
         self.encoders = nn.ModuleList(
             ImageEncoder(space.shape, hidden_size) if kind == "image" else
-            OneHot(space) if kind == "one-hot" else nn.Identity() for (_, space), kind in
-            zip(observed, kinds))
+            OneHot(space) if kind == "one-hot" else nn.Identity() for space, kind in observed)
         self.features = sum(getattr(encoder, "features", size)
                             for encoder, size in zip(self.encoders, self.sizes))
 
@@ -334,12 +319,12 @@ class ActionHead(nn.Module):
 
     def __init__(self, space):
         super().__init__()
-        self.continuous, self.mask_columns = isinstance(space, spaces.Box), None  # (set by Model)
+        self.continuous, self.maskable = isinstance(space, spaces.Box), False
         if self.continuous:
             self.size = self.width = int(np.prod(space.shape))  # outputs, numbers of an action
             self.dtype, self.log_std = torch.float32, nn.Parameter(torch.zeros(self.size))
             return
-        self.maskable = not isinstance(space, spaces.MultiBinary)
+        self.maskable = not isinstance(space, spaces.MultiBinary)  # (masks cover the choices)
         choices = ([int(space.n)] if isinstance(space, spaces.Discrete) else np.ravel(
             space.nvec).tolist() if self.maskable else [2] * int(np.prod(space.shape)))
         self.width, self.num_choices, self.dtype = len(choices), max(choices), torch.long
@@ -351,14 +336,12 @@ class ActionHead(nn.Module):
             [[first[d] + c if c < n else self.mask_size for c in range(self.num_choices)]
              for d, n in enumerate(choices)]), persistent=False)
 
-    def distribution(self, output: torch.Tensor, mask: Optional[torch.Tensor]):
+    def distribution(self, output: torch.Tensor, mask: torch.Tensor):  # mask: [batch, 0]: none
         if self.continuous:
             return torch.distributions.Normal(output, self.log_std.exp().expand_as(output),
                                               validate_args=False)
-        if mask is None:
-            allowed = self.mask_index < self.mask_size
-        else:
-            allowed = torch.cat([mask, mask.new_zeros(len(mask), 1)], 1)[:, self.mask_index] > 0
+        allowed = (self.mask_index < self.mask_size if mask.shape[1] == 0 else
+                   torch.cat([mask, mask.new_zeros(len(mask), 1)], 1)[:, self.mask_index] > 0)
         logits = output.view(-1, self.width, self.num_choices).masked_fill(~allowed, -1e9)
         return torch.distributions.Categorical(logits=logits, validate_args=False)
 
@@ -368,19 +351,17 @@ class Model(nn.Module):
     separate policy and value MLPs, 64-64 tanh (37 details, #13), the policy's output split into one
     head per action leaf (`ActionHead`). Given the state, the leaves are drawn independently, so
     pi(a|s) is the product of the leaves' probabilities: its log, and the entropy, are sums over the
-    leaves (as over MultiDiscrete's dimensions, 37 details, #23). The mask is in the observation's
-    last columns: acting and the update read the same one, stored with the step."""
+    leaves (as over MultiDiscrete's dimensions, 37 details, #23)."""
 
     def __init__(self, obs_space, action_space, hidden_size: int = 64, masked: bool = False):
         super().__init__()
         self.encoder = Encoder(obs_space, hidden_size)
         self.names = ["/".join(map(str, path)) or "action" for path, _ in leaves(action_space)]
         self.heads = nn.ModuleList(ActionHead(space) for _, space in leaves(action_space))
-        self.mask_size = 0  # the mask covers the Discrete and MultiDiscrete leaves in turn
-        for head in self.heads:
-            if masked and not head.continuous and head.maskable:
-                head.mask_columns = slice(self.mask_size, self.mask_size + head.mask_size)
-                self.mask_size += head.mask_size
+        # The mask, the observation's last mask_size columns (stored with the step: the update
+        # forbids what acting did), covers the Discrete and MultiDiscrete leaves in turn.
+        self.mask_sizes = [head.mask_size if masked and head.maskable else 0 for head in self.heads]
+        self.mask_size = sum(self.mask_sizes)
         mlp = lambda out_size, gain: nn.Sequential(  # two tanh hidden layers, then the output
             layer(self.encoder.features, hidden_size), nn.Tanh(),
             layer(hidden_size, hidden_size), nn.Tanh(), layer(hidden_size, out_size, gain=gain))
@@ -389,31 +370,25 @@ class Model(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor:  # V(s), [batch]
         return self.critic(self.encoder(obs)).squeeze(-1)
 
-    def policy(self, obs: torch.Tensor):
-        """pi(.|s) as one torch distribution per action leaf, and V(s)."""
-        features = self.encoder(obs)
-        mask = obs[:, obs.shape[-1] - self.mask_size:]
+    def policy(self, obs: torch.Tensor, actions: Optional[dict] = None, greedy: bool = False):
+        """pi(.|s), a torch distribution per action leaf; the actions (leaf name -> [batch, width]:
+        drawn unless given), log pi(a|s) summed over the leaves, and V(s)."""
+        features, masks = self.encoder(obs), obs[:, obs.shape[-1] - self.mask_size:]
         outputs = self.actor(features).split([head.size for head in self.heads], dim=-1)
-        return [head.distribution(output, None if head.mask_columns is None
-                                  else mask[:, head.mask_columns])
-                for head, output in zip(self.heads, outputs)], self.critic(features).squeeze(-1)
-
-    def act(self, obs: torch.Tensor, greedy: bool = False):
-        """Actions for observations (leaf name -> [batch, width]), their log-probabilities, values.
-        A Box leaf's numbers are kept as sampled: the env gets them clipped (Game.env_action)."""
-        distributions, values = self.policy(obs)
-        actions = {name: d.mode if greedy else d.sample()
-                   for name, d in zip(self.names, distributions)}
+        distributions = [head.distribution(output, mask) for head, output, mask in
+                         zip(self.heads, outputs, masks.split(self.mask_sizes, dim=-1))]
+        actions = actions or {name: d.mode if greedy else d.sample()
+                              for name, d in zip(self.names, distributions)}
         log_prob = sum(d.log_prob(actions[name]).sum(-1)
                        for name, d in zip(self.names, distributions))
-        return actions, log_prob, values
+        return distributions, actions, log_prob, self.critic(features).squeeze(-1)
+
+    def act(self, obs: torch.Tensor, greedy: bool = False):  # (actions, log pi(a|s), V(s))
+        return self.policy(obs, greedy=greedy)[1:]  # a Box's actions kept as sampled (unclipped)
 
     def evaluate_actions(self, obs: torch.Tensor, actions: dict):
-        """For the loss: the taken actions' log-probabilities under the current policy, the
-        policy's entropy and the values, all [batch]."""
-        distributions, values = self.policy(obs)
-        log_prob = sum(d.log_prob(actions[name]).sum(-1)
-                       for name, d in zip(self.names, distributions))
+        """For the loss: log pi(a|s) of the taken actions now, the entropy, V(s); all [batch]."""
+        distributions, _, log_prob, values = self.policy(obs, actions)
         return log_prob, sum(d.entropy().sum(-1) for d in distributions), values
 
 
@@ -458,7 +433,7 @@ class Minibatch(typing.NamedTuple):
 
 class Rollout:
     """What the current policy saw, did and got: [num_steps, num_envs, ...], on the device; the
-    actions as a nest flattened per leaf: a tensor each (choices long, a Box's numbers float)."""
+    actions a tensor per leaf (choices long, a Box's numbers float)."""
 
     def __init__(self, config: Config, obs_size: int, model: Model, device: torch.device):
         shape = (config.num_steps, config.num_envs)
@@ -565,8 +540,7 @@ class Main:
             self.model = Model(env.obs_space, env.action_space, config.hidden_size, env.masked)
             self.trainer = Trainer(self.model.to(guard.device), config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # The games; their Box vectors come normalised by running mean and std, as in
-            # ppo_continuous.py (continuous #6-#7: a RunningMeanStd, saved with the policy).
+            # The games; their Box vectors normalised by running mean and std (continuous #6-#7).
             self.games = guard.start_games()
             self.rollout = Rollout(config, env.obs_size, self.model, guard.device)
             next_obs = self.games.observations()
