@@ -35,8 +35,7 @@ def option(default, help, check=None):  # a Config field, its --help line, its v
 
 @dataclasses.dataclass
 class Config:
-    """Every setting of a run, each a command-line flag (`num_envs` -> `--num-envs`). The defaults
-    solve CartPole-v1 fastest (benchmarks/README.md)."""
+    """Every setting, each a flag (num_envs: --num-envs); defaults solve CartPole-v1 fastest."""
 
     # PPO's hyperparameters.
     learning_rate: float = option(8e-3, "Adam's step size, annealed linearly to 0", "> 0")
@@ -105,6 +104,8 @@ def parse_config(argv=None) -> Config:
 
 
 if __name__ == "__main__" and "__file__" in globals():
+    import os  # NumPy reads this as it loads (below): its matrix products on one core (RunGuard)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
 
 import gymnasium as gym
@@ -405,9 +406,8 @@ class Main:
     One iteration (37 details, #6): play num_steps steps in each of num_envs games, estimate each
     step's advantage with GAE, then take update_epochs passes over the rollout in minibatches."""
 
-    def __init__(self, config: Config):
-        self.config, self.guard = config, None
-        self.anneal_from = (0, config.learning_rate)  # (step, rate) where annealing starts
+    def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
+        self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
         return evaluate_checkpoint(self.config) if self.config.eval else self.train()
@@ -1189,6 +1189,9 @@ class RunGuard:
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
         # One thread is fastest for networks this small (benchmarks/README.md); given back after.
+        # NumPy's matrix products (the NumPy path) take one too: the command line sets
+        # OPENBLAS_NUM_THREADS=1 before NumPy loads, since OpenBLAS's second thread spins while it
+        # waits, and beside any other work it made whole runs many times slower (benchmarks/).
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)

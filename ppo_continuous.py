@@ -112,6 +112,8 @@ def parse_config(argv=None) -> Config:
 
 
 if __name__ == "__main__" and "__file__" in globals():
+    import os  # NumPy reads this as it loads (below): its matrix products on one core (RunGuard)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
 
 import gymnasium as gym
@@ -1307,6 +1309,9 @@ class RunGuard:
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
         # One thread is fastest for networks this small (benchmarks/README.md); given back after.
+        # NumPy's matrix products (the NumPy path) take one too: the command line sets
+        # OPENBLAS_NUM_THREADS=1 before NumPy loads, since OpenBLAS's second thread spins while it
+        # waits, and beside any other work it made whole runs many times slower (benchmarks/).
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)

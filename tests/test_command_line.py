@@ -240,6 +240,23 @@ def test_help_answers_within_a_second(script):
     assert statistics.median(seconds) < 1.0, seconds
 
 
+@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_continuous"])  # their NumPy paths
+@pytest.mark.parametrize("given", [None, "2"])
+def test_the_command_line_gives_numpy_one_thread_before_numpy_loads(script, given):
+    # OpenBLAS reads OPENBLAS_NUM_THREADS once, as NumPy loads; a user's own setting is kept.
+    driver = ("import os, runpy, sys\n"
+              "sys.argv = sys.argv[1:]  # the script's path, then its flags\n"
+              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+              "except SystemExit:\n    pass\n"
+              "print(os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules)")
+    env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_NUM_THREADS"}
+    if given:
+        env["OPENBLAS_NUM_THREADS"] = given
+    result = subprocess.run([sys.executable, "-c", driver, str(ROOT / f"{script}.py"), "--help"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines()[-1] == f"{given or 1} False"
+
+
 # ----- the shared runs: a first short run, a resumed one, an eval -------------------------------
 
 FIRST_TOTAL = {script: ROLLOUT[script] * 3 // 2 for script in SCRIPTS}  # rounded up: 2 updates
