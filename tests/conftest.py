@@ -1,11 +1,15 @@
-"""Shared test helpers: the repository root on sys.path, small envs registered for the tests, and
-reading processes from /proc."""
+"""Shared test helpers: the repository root on sys.path, small envs registered for the tests,
+reading processes from /proc, and the NumPy learners' check against the lessons' torch code."""
+import copy
 import sys
 import time
+import types
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -109,3 +113,30 @@ def wait_until_gone(pids, seconds=10.0):
             return False
         time.sleep(0.05)
     return True
+
+
+def assert_numpy_learner_steps_as_the_lesson(module, lesson_model, config, minibatch, steps=3):
+    """`steps` gradient steps on one minibatch by the lesson's Trainer (autograd + Adam) and by
+    module.NumpyLearner on a copy of lesson_model: the same diagnostics, weights and Adam moments up
+    to rounding, with the global norm clipped and some ratios clipped."""
+    numpy_model = copy.deepcopy(lesson_model)
+    lesson = module.Trainer(lesson_model, config)
+    numpy_trainer = module.Trainer(numpy_model, config)
+    fast = module.NumpyLearner(types.SimpleNamespace(model=numpy_model, trainer=numpy_trainer,
+                                                     config=config))
+    start = copy.deepcopy(lesson_model.state_dict())
+    for _ in range(steps):
+        expected, got = lesson.gradient_step(minibatch), fast.gradient_step(minibatch)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key].item() == pytest.approx(value.item(), rel=1e-4, abs=1e-6), key
+    assert expected["grad_norm"] > config.max_grad_norm  # the clip scaled the step
+    assert 0 < expected["clip_fraction"] < 1
+    for name, param in lesson_model.named_parameters():
+        torch.testing.assert_close(numpy_model.state_dict()[name], param, rtol=1e-4, atol=1e-6)
+        assert not torch.equal(param, start[name])
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for mine, theirs in zip(getattr(numpy_trainer.optimizer, kind),
+                                getattr(lesson.optimizer, kind)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-8)
+    assert numpy_trainer.optimizer.steps == lesson.optimizer.steps == steps

@@ -1,7 +1,6 @@
 """ppo_continuous.py: the pieces against hand-computed or reference values (gymnasium's Pendulum,
 torch.distributions), then runs through the API and the command line: the running statistics in
 checkpoints, --eval and --resume, bad input, learning, reproducibility, Ctrl-C and torchrun."""
-import copy
 import json
 import math
 import os
@@ -9,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import gymnasium as gym
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 import torch
 
 import ppo_continuous as pc
-from conftest import ROOT, children, wait_until_gone
+from conftest import ROOT, assert_numpy_learner_steps_as_the_lesson, children, wait_until_gone
 
 CPU = torch.device("cpu")
 SMALL = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, device="cpu")
@@ -282,10 +280,6 @@ def test_numpy_gradient_steps_match_autograd_and_adam(clip_value_loss):
     torch.manual_seed(0)
     config = pc.Config(clip_value_loss=clip_value_loss, ent_coef=0.01, max_grad_norm=0.1)
     lesson_model = pc.Model(3, 2)
-    numpy_model = copy.deepcopy(lesson_model)
-    lesson, numpy_trainer = pc.Trainer(lesson_model, config), pc.Trainer(numpy_model, config)
-    fast = pc.NumpyLearner(types.SimpleNamespace(model=numpy_model, trainer=numpy_trainer,
-                                                 config=config))
     n = 64
     obs, actions = torch.randn(n, 3), torch.randn(n, 2)
     with torch.no_grad():
@@ -293,22 +287,7 @@ def test_numpy_gradient_steps_match_autograd_and_adam(clip_value_loss):
     # A player far from the learner: some ratios and values move beyond the clip range.
     minibatch = pc.Minibatch(obs, actions, old_log_probs + 0.5 * torch.randn(n), torch.randn(n),
                              torch.randn(n), old_values + 0.5 * torch.randn(n))
-    start = copy.deepcopy(lesson_model.state_dict())
-    for _ in range(3):
-        expected, got = lesson.gradient_step(minibatch), fast.gradient_step(minibatch)
-        assert got.keys() == expected.keys()
-        for key, value in expected.items():
-            assert got[key].item() == pytest.approx(value.item(), rel=1e-4, abs=1e-6), key
-    assert expected["grad_norm"] > config.max_grad_norm  # the clip scaled the step
-    assert 0 < expected["clip_fraction"] < 1
-    for name, param in lesson_model.state_dict().items():
-        torch.testing.assert_close(numpy_model.state_dict()[name], param, rtol=1e-4, atol=1e-6)
-        assert not torch.equal(param, start[name])
-    for kind in ("exp_avg", "exp_avg_sq"):
-        for mine, theirs in zip(getattr(numpy_trainer.optimizer, kind),
-                                getattr(lesson.optimizer, kind)):
-            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-8)
-    assert numpy_trainer.optimizer.steps == lesson.optimizer.steps == 3
+    assert_numpy_learner_steps_as_the_lesson(pc, lesson_model, config, minibatch)
 
 
 def test_the_numpy_path_plays_and_learns_as_the_lesson(tmp_path, monkeypatch):
