@@ -501,9 +501,9 @@ class Main:
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up,
-# Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the input checks; the
-# command line.
+# the games run on, the lesson's step in NumPy for the CPU, Adam and compilation; `Ranks`
+# (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary); checkpoints;
+# evaluation and video; the input checks; the command line.
 
 import copy
 import datetime
