@@ -507,6 +507,7 @@ class Main:
 
 import copy
 import datetime
+import gc
 import hashlib
 import json
 import logging
@@ -1731,4 +1732,6 @@ def command_line(argv=None) -> int:
 
 # A pasted notebook cell has no __file__: there, defining everything is all this file does.
 if __name__ == "__main__" and "__file__" in globals():
-    sys.exit(command_line())
+    status = command_line()
+    gc.freeze()  # the collection at exit skips all objects made so far, torch's too: ~0.4 s sooner
+    sys.exit(status)
