@@ -60,9 +60,9 @@ class Config:
     # Collecting experience.
     env: str = option("Pendulum-v1", "gymnasium id: Box observations, Box (continuous) actions")
     env_backend: str = option("gym", "gym: Games | torch: Pendulum-v1 as tensors on --device")
-    num_envs: Optional[int] = option(None, "games per rank; default: 16 (gym), 64 (torch)", "> 0")
+    num_envs: int = option(16, "games played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
-    num_steps: Optional[int] = option(None, "rollout length; default: 64 (gym), 16 (torch)", "> 0")
+    num_steps: int = option(64, "steps per game in a rollout of num_envs * num_steps", "> 0")
 
     # The run.
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
@@ -1293,7 +1293,7 @@ class RunGuard:
         check_settings(self.config)
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
         config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
-        check_settings(config := with_backend_defaults(config))
+        check_settings(config)
         self.obs_size, self.action_size, *self.action_bounds = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
@@ -1449,7 +1449,7 @@ class RunLog:
                    if self.last_step != config.total_timesteps else "")
         self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
                  f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
-        defaults = with_backend_defaults(Config(env_backend=config.env_backend))
+        defaults = Config()
         changed = [(f.name.replace("_", "-"), getattr(config, f.name))
                    for f in dataclasses.fields(Config)
                    if f.name != "run_dir" and getattr(config, f.name) != getattr(defaults, f.name)]
@@ -1673,7 +1673,7 @@ def evaluate_checkpoint(given: Config) -> dict:
     """--eval: play a checkpoint's games (gymnasium's), its statistics frozen; report the return."""
     check_settings(given)
     checkpoint = load_checkpoint(given.eval)
-    config = with_backend_defaults(resumed_config(checkpoint, given))
+    config = resumed_config(checkpoint, given)
     obs_size, action_size, low, high = inspect_env(config.env)
     # MuJoCo draws with OpenGL: without a display, offscreen (MUJOCO_GL=egl or osmesa).
     if config.video and "mujoco" in str(gym.spec(config.env).entry_point) and not (
@@ -1737,19 +1737,6 @@ class UsageError(ValueError):
     """Bad input from the user: the command line prints its message on one line, exit status 2."""
 
 
-# --num-envs and --num-steps when not given: a step of the torch Pendulum costs about as much for
-# 64 games as for 16, so it plays more games for fewer steps each (benchmarks/README.md).
-BACKEND_DEFAULTS = {"gym": {"num_envs": 16, "num_steps": 64},
-                    "torch": {"num_envs": 64, "num_steps": 16}}
-
-
-def with_backend_defaults(config: Config) -> Config:
-    """--num-envs and --num-steps, where not given, from --env-backend's defaults."""
-    defaults = BACKEND_DEFAULTS.get(config.env_backend, BACKEND_DEFAULTS["gym"])
-    return dataclasses.replace(config, **{name: value for name, value in defaults.items()
-                                          if getattr(config, name) is None})
-
-
 RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
           "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
           "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
@@ -1761,7 +1748,6 @@ SPACES_OBSERVATIONS = ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tupl
 def check_settings(config: Config):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
-    config = with_backend_defaults(config)  # (--num-envs and --num-steps, when not given)
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
@@ -1774,7 +1760,7 @@ def check_settings(config: Config):
             raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
     if config.eval and config.resume:
         raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one")
-    if config.env_backend not in BACKEND_DEFAULTS:
+    if config.env_backend not in ("gym", "torch"):
         raise UsageError(f"unknown --env-backend {config.env_backend!r}: use gym or torch")
     if config.env_backend == "torch" and config.env != "Pendulum-v1":
         raise UsageError(f"--env-backend torch has Pendulum-v1 only, not {config.env}: use gym")
