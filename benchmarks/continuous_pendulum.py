@@ -7,8 +7,8 @@ What it measures
    four variants:
    - `gym`: `python ppo_continuous.py --seed S --total-timesteps N` (its defaults: gymnasium's
      Pendulum-v1 in Games);
-   - `torch`: the same with `--env-backend torch` (Pendulum written in torch, the engine's own
-     number of envs and rollout settings);
+   - `torch`: the same with `--env-backend torch` (Pendulum written in torch; the same 16 envs x
+     64 steps since 2026-11-27, 64 x 16 before);
    - `sb3`: Stable-Baselines3 PPO with rl-baselines3-zoo's tuned Pendulum-v1 hyperparameters
      (`MlpPolicy`, 4 envs x 1024 steps, batch 64, 10 epochs, gamma 0.9, GAE lambda 0.95,
      learning rate 1e-3, clip range 0.2, no entropy bonus, gSDE resampled every 4 steps; the zoo
