@@ -256,6 +256,22 @@ def test_attention_never_looks_into_the_future_or_across_an_episode_start():
     assert looked_back > 50
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_actor_and_the_critic_each_have_their_own_cell(kind):
+    # A cell shared by both, pulled by the value loss too, fails StatelessAcrobot-v1
+    # (benchmarks/README.md): the policy's output moves only the actor's weights, V only the critic's.
+    torch.manual_seed(0)
+    model = pm.Model(3, 2, pm.with_kind_defaults(pm.Config(memory=kind)))
+    inputs, starts = torch.randn(20, 4, model.input_size), (torch.rand(20, 4) < 0.1).float()
+    for head, output in enumerate(model.heads(model.remember(inputs, starts,
+                                                             model.initial_memory(4))[0])):
+        model.zero_grad(set_to_none=True)
+        output.square().sum().backward(retain_graph=True)
+        for name, weights in model.named_parameters():
+            moved = weights.grad is not None and bool(weights.grad.abs().sum() > 0)
+            assert moved == name.startswith(("actor", "critic")[head]), (head, name)
+
+
 # ----- checkpoints, --resume and --eval --------------------------------------------------------------
 
 
