@@ -38,9 +38,9 @@ def option(default, help, check=None, choices=None):  # a Config field, its --he
 
 
 # Each kind's own settings, for the fields Config leaves at None (measured: benchmarks/README.md).
-# attention shares encoder and memory between actor and critic, so its value loss weighs 0.03;
-# lstm and gru have a cell each (gru at 0.5: its clipped policy step never learned Acrobot) and
-# look further ahead (gamma 0.99: at 0.98 a cart drifting off after ~150 steps went unseen).
+# lstm, gru and attention have a memory each for actor and critic; value loss 0.03 for gru (at 0.5
+# its clipped policy step never learned Acrobot) and attention (at 0.5 slower on CartPole); lstm and
+# gru look further ahead (gamma 0.99: at 0.98 a cart drifting off after ~150 steps went unseen).
 KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
                "vf_coef", "gamma")
 KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
@@ -338,16 +338,17 @@ class GRUGate(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """--memory attention: one block of the Gated Transformer-XL (GTrXL, Parisotto et al., 2020),
-    each step the query over its window of the last M steps, never across an episode start (the
-    window mask); positions relative to the step; pre-LayerNorm; a `GRUGate` where a Transformer
-    adds the residual. Training re-encodes the stored input rows with the current weights: the
-    ratio starts at exactly 1 (CleanRL's ppo_trxl caches each layer's states, stale after one
-    epoch)."""
+    """--memory attention: a linear+tanh encoder and one block of the Gated Transformer-XL (GTrXL,
+    Parisotto et al., 2020), each step the query over its window of the last M steps, never across
+    an episode start (the window mask); positions relative to the step; pre-LayerNorm; a `GRUGate`
+    where a Transformer adds the residual. No state: the window of stored rows is the memory, and
+    training re-encodes it with the current weights, so the ratio starts at exactly 1 (CleanRL's
+    ppo_trxl caches each layer's states, stale after one epoch)."""
 
-    def __init__(self, size: int, span: int, heads: int = 4):
+    def __init__(self, input_size: int, size: int, span: int, heads: int = 4):
         super().__init__()
-        self.heads = heads
+        self.encoder = nn.Sequential(layer(input_size, size), nn.Tanh())
+        self.span, self.heads = span, heads
         self.attention_norm, self.mlp_norm = nn.LayerNorm(size), nn.LayerNorm(size)
         self.query, self.key_value = layer(size, size, 1.0), layer(size, 2 * size, 1.0)
         self.attention_output = layer(size, size, 1.0)
@@ -359,8 +360,9 @@ class GatedAttention(nn.Module):
         codes = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin, cos, sin, ...
         self.register_buffer("distance_codes", codes, persistent=False)
 
-    def forward(self, windows: torch.Tensor, in_episode: torch.Tensor) -> torch.Tensor:
-        """windows [T, B, M, F] (oldest first), mask [T, B, M] -> the newest steps' [T, B, F]."""
+    def forward(self, inputs: torch.Tensor, starts: torch.Tensor, memory: tuple):
+        """Rows [L, B, D] -> (the newest M-windows' features [L-M+1, B, F], memory: () as given)."""
+        windows, in_episode = episode_windows(self.encoder(inputs), starts, self.span)
         *batch, span, size = windows.shape
         heads, head_size = self.heads, size // self.heads
         stream = windows[..., -1, :]  # the newest step: the query, and the residual stream
@@ -372,7 +374,7 @@ class GatedAttention(nn.Module):
         scores = scores.masked_fill(~in_episode[..., None, None, :], float("-inf"))
         attended = (scores.softmax(-1) @ values).reshape(*batch, size)
         stream = self.attention_gate(stream, torch.relu(self.attention_output(attended)))
-        return self.mlp_gate(stream, torch.relu(self.mlp(self.mlp_norm(stream))))
+        return self.mlp_gate(stream, torch.relu(self.mlp(self.mlp_norm(stream)))), memory
 
 
 class RecurrentCell(nn.Module):
@@ -402,8 +404,8 @@ class Model(nn.Module):
     `encode_inputs`), `starts` [L, B] (1 where an episode starts), `memory` (the states before the
     first row: the actor's (h, c) and the critic's for lstm, (h,) each for gru, () otherwise). none,
     framestack: the last 1 or k rows side by side into separate 64-64 tanh MLPs (37 details, #13);
-    lstm, gru: a RecurrentCell each for actor and critic (sb3-contrib's RecurrentPPO), linear heads;
-    attention: encoder and GatedAttention shared by both heads."""
+    lstm, gru, attention: a RecurrentCell (GatedAttention) each for actor and critic, linear heads,
+    as in sb3-contrib's RecurrentPPO (a shared one, pulled by the value loss, fails Acrobot)."""
 
     def __init__(self, obs_size: int, num_actions: int, config: Config):
         super().__init__()
@@ -422,12 +424,9 @@ class Model(nn.Module):
                 nn.Tanh(), layer(hidden, out_size, gain))
             self.critic, self.actor = mlp(1, 1.0), mlp(num_actions, 0.01)
             return
-        if self.kind == "attention":
-            self.encoder = nn.Sequential(layer(self.input_size, hidden), nn.Tanh())
-            self.attention = GatedAttention(hidden, self.window)
-        else:  # one cell each: a shared one, pulled by the value loss too, fails StatelessAcrobot
-            self.actor_memory, self.critic_memory = (
-                RecurrentCell(self.kind, self.input_size, hidden) for _ in range(2))
+        self.actor_memory, self.critic_memory = (
+            GatedAttention(self.input_size, hidden, self.window) if self.kind == "attention"
+            else RecurrentCell(self.kind, self.input_size, hidden) for _ in range(2))
         self.critic, self.actor = layer(hidden, 1, gain=1.0), layer(hidden, num_actions, gain=0.01)
 
     @property
@@ -445,17 +444,15 @@ class Model(nn.Module):
         the same rows from the same state, rebuilds the same states, now with a gradient."""
         if self.kind in ("none", "framestack"):  # none: a window of 1
             return stack_frames(inputs, starts, self.window), memory
-        if self.kind == "attention":  # no state: the window of raw rows is the memory
-            windows = episode_windows(self.encoder(inputs), starts, self.window)
-            return self.attention(*windows), memory
         half = len(memory) // 2  # the actor's state, then the critic's; their h side by side
         actor, actor_memory = self.actor_memory(inputs, starts, memory[:half])
         critic, critic_memory = self.critic_memory(inputs, starts, memory[half:])
         return torch.cat([actor, critic], dim=-1), actor_memory + critic_memory
 
     def heads(self, features: torch.Tensor) -> tuple:
-        """The policy's logits [..., actions] and V(h) [...] (lstm, gru: each from its half)."""
-        halves = features.chunk(2, dim=-1) if self.kind in ("lstm", "gru") else (features, features)
+        """The policy's logits [..., actions] and V(h) [...] (memory kinds: each from its half)."""
+        mlp = self.kind in ("none", "framestack")
+        halves = (features, features) if mlp else features.chunk(2, dim=-1)
         return self.actor(halves[0]), self.critic(halves[1]).squeeze(-1)
 
     def act(self, inputs, starts, memory, greedy: bool = False):

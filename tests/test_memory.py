@@ -256,10 +256,11 @@ def test_attention_never_looks_into_the_future_or_across_an_episode_start():
     assert looked_back > 50
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_the_actor_and_the_critic_each_have_their_own_cell(kind):
-    # A cell shared by both, pulled by the value loss too, fails StatelessAcrobot-v1
-    # (benchmarks/README.md): the policy's output moves only the actor's weights, V only the critic's.
+@pytest.mark.parametrize("kind", ["lstm", "gru", "attention"])
+def test_the_actor_and_the_critic_each_have_their_own_memory(kind):
+    # A cell shared by both, pulled by the value loss too, fails StatelessAcrobot-v1; a shared
+    # attention block learns POPGym worse (benchmarks/README.md). The policy's output moves only the
+    # actor's weights, V only the critic's.
     torch.manual_seed(0)
     model = pm.Model(3, 2, pm.with_kind_defaults(pm.Config(memory=kind)))
     inputs, starts = torch.randn(20, 4, model.input_size), (torch.rand(20, 4) < 0.1).float()
@@ -358,14 +359,17 @@ def test_an_unknown_memory_is_refused_by_the_command_line(capsys):
 # A step budget per kind, and a 100-episode mean (seed 1, the kind's defaults) that a random policy
 # (~22) does not reach: each kind learns, whatever its speed (benchmarks/memory_table.py says how
 # fast). `none` sees no velocity, but the previous action and its own angle get it part of the way.
-LEARNING = {"none": 80, "framestack": 120, "lstm": 110, "gru": 95, "attention": 100}
+# attention's two blocks (actor, critic) cost the most per step: 24,576 steps (seed 1: 91 there).
+LEARNING = {"none": (40_960, 80), "framestack": (40_960, 120), "lstm": (40_960, 110),
+            "gru": (40_960, 95), "attention": (24_576, 75)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_learns_stateless_cartpole(kind, tmp_path):
-    summary = pm.Main(pm.Config(memory=kind, seed=1, total_timesteps=40_960,
+    steps, mean_return = LEARNING[kind]
+    summary = pm.Main(pm.Config(memory=kind, seed=1, total_timesteps=steps,
                                 run_dir=str(tmp_path))).run()
-    assert summary["mean_return_100"] >= LEARNING[kind], summary
+    assert summary["mean_return_100"] >= mean_return, summary
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
