@@ -405,7 +405,8 @@ class Model(nn.Module):
     first row: the actor's (h, c) and the critic's for lstm, (h,) each for gru, () otherwise). none,
     framestack: the last 1 or k rows side by side into separate 64-64 tanh MLPs (37 details, #13);
     lstm, gru, attention: a RecurrentCell (GatedAttention) each for actor and critic, linear heads,
-    as in sb3-contrib's RecurrentPPO (a shared one, pulled by the value loss, fails Acrobot)."""
+    as in sb3-contrib's RecurrentPPO (a shared lstm or gru cell, pulled by the value loss too,
+    fails StatelessAcrobot)."""
 
     def __init__(self, obs_size: int, num_actions: int, config: Config):
         super().__init__()
