@@ -1825,5 +1825,6 @@ def command_line(argv=None) -> int:
 # A pasted notebook cell has no __file__: there, defining everything is all this file does.
 if __name__ == "__main__" and "__file__" in globals():
     status = command_line()
-    gc.freeze()  # the collection at exit skips all objects made so far, torch's too: ~0.4 s sooner
+    gc.collect()  # the run's cycles freed now (an engine's C++ threads stop with it), then
+    gc.freeze()  # the collection at exit skips all objects left, torch's too: ~0.4 s sooner
     sys.exit(status)
