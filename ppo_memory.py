@@ -60,7 +60,7 @@ class Config:
     # PPO's hyperparameters.
     learning_rate: Optional[float] = option(None, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: Optional[float] = option(None, "discount: 0.98 looks ~50 steps ahead", "(0, 1]")
+    gamma: Optional[float] = option(None, "discount, by kind: 0.98 looks ~50 steps ahead", "(0, 1]")
     gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
     num_minibatches: Optional[int] = option(None, "minibatches per rollout, by env", "> 0")
     update_epochs: Optional[int] = option(None, "passes over each rollout", "> 0")
@@ -418,8 +418,8 @@ class Model(nn.Module):
         # Rows of the rollout that one step reads: its own, and the k - 1 (M - 1) before it.
         self.window = {"framestack": config.frame_stack, "attention": config.attention_span}.get(
             self.kind, 1)
-        hidden = config.hidden_size
-        if self.kind in ("none", "framestack"):
+        hidden, self.stacks_frames = config.hidden_size, self.kind in ("none", "framestack")
+        if self.stacks_frames:
             mlp = lambda out_size, gain: nn.Sequential(
                 layer(self.input_size * self.window, hidden), nn.Tanh(), layer(hidden, hidden),
                 nn.Tanh(), layer(hidden, out_size, gain))
@@ -443,7 +443,7 @@ class Model(nn.Module):
         The rollout passes one step (and its window) and the state the games carry; training passes
         a whole rollout and the state at its start (`Rollout.first_memory`): the cell, stepped along
         the same rows from the same state, rebuilds the same states, now with a gradient."""
-        if self.kind in ("none", "framestack"):  # none: a window of 1
+        if self.stacks_frames:  # none: a window of 1
             return stack_frames(inputs, starts, self.window), memory
         half = len(memory) // 2  # the actor's state, then the critic's; their h side by side
         actor, actor_memory = self.actor_memory(inputs, starts, memory[:half])
@@ -452,8 +452,7 @@ class Model(nn.Module):
 
     def heads(self, features: torch.Tensor) -> tuple:
         """The policy's logits [..., actions] and V(h) [...] (memory kinds: each from its half)."""
-        mlp = self.kind in ("none", "framestack")
-        halves = (features, features) if mlp else features.chunk(2, dim=-1)
+        halves = (features, features) if self.stacks_frames else features.chunk(2, dim=-1)
         return self.actor(halves[0]), self.critic(halves[1]).squeeze(-1)
 
     def act(self, inputs, starts, memory, greedy: bool = False):

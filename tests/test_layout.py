@@ -22,9 +22,9 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # ppo_multiagent.py 618: policy groups and Gaussian heads (issue 23) add ~120.
 # The CPU's NumPy paths (issue 25) add ~200 lines to ppo_cartpole.py, ~250 to ppo_continuous.py.
 LESSON_LINES = {"ppo_atari.py": 500, "ppo_cartpole.py": 500, "ppo_continuous.py": 500,
-                "ppo_memory.py": 757, "ppo_multiagent.py": 618, "ppo_spaces.py": 621}
+                "ppo_memory.py": 756, "ppo_multiagent.py": 618, "ppo_spaces.py": 621}
 FILE_LINES = {"ppo_atari.py": 1521, "ppo_cartpole.py": 1738, "ppo_continuous.py": 1895,
-              "ppo_memory.py": 1787, "ppo_multiagent.py": 1851, "ppo_spaces.py": 1830}
+              "ppo_memory.py": 1786, "ppo_multiagent.py": 1851, "ppo_spaces.py": 1830}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 3
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",
