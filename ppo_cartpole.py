@@ -593,6 +593,7 @@ class GuardedWorker(Worker):
         super().__init__(index, env_id, seed, obs_view)
 
     def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+        gc.freeze()  # the trainer's objects (its garbage too) are not the child's to finalize
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for end in [self.trainer_end, *self.inherited_trainer_ends]:
             end.close()

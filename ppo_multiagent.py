@@ -660,6 +660,7 @@ class GuardedWorker(Worker):
         super().__init__(index, env_id, seeds, options, obs_view)
 
     def child_loop(self, conn, seeds: list, options: dict):
+        gc.freeze()  # the trainer's objects (its garbage too) are not the child's to finalize
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for end in [self.trainer_end, *self.inherited_trainer_ends]:
             end.close()

@@ -23,8 +23,8 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # The CPU's NumPy paths (issue 25) add ~200 lines to ppo_cartpole.py, ~250 to ppo_continuous.py.
 LESSON_LINES = {"ppo_atari.py": 500, "ppo_cartpole.py": 500, "ppo_continuous.py": 500,
                 "ppo_memory.py": 756, "ppo_multiagent.py": 618, "ppo_spaces.py": 621}
-FILE_LINES = {"ppo_atari.py": 1521, "ppo_cartpole.py": 1738, "ppo_continuous.py": 1895,
-              "ppo_memory.py": 1786, "ppo_multiagent.py": 1851, "ppo_spaces.py": 1830}
+FILE_LINES = {"ppo_atari.py": 1522, "ppo_cartpole.py": 1739, "ppo_continuous.py": 1896,
+              "ppo_memory.py": 1787, "ppo_multiagent.py": 1852, "ppo_spaces.py": 1831}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 3
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",

@@ -2,6 +2,8 @@
 checkpoints. Each test injects the fault for real (signals, killed processes, broken files), in both
 scripts wherever it applies."""
 import errno
+import gc
+import importlib
 import json
 import os
 import signal
@@ -172,6 +174,55 @@ def test_an_atari_game_that_raises_in_a_worker_names_the_worker_the_env_and_the_
                        match=r"worker \d \(BreakoutNoFrameskip-v4\) failed: ValueError: emulator fault"):
         pa.Main(config).run()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 20 * 2
+
+
+class TrainersGarbage:
+    """An object in a reference cycle that the trainer has not collected yet; its finalizer writes
+    the id of the process that ran it."""
+
+    def __init__(self, path):
+        self.path, self.cycle = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as file:
+            file.write(f"{os.getpid()}\n")
+
+
+WORKER_RUNS = {  # one rollout of each script, its games in 2 worker processes
+    "ppo_cartpole": dict(num_envs=4, num_steps=8, num_workers=2, total_timesteps=32),
+    "ppo_atari": dict(num_envs=2, num_steps=8, num_workers=2, num_minibatches=2, total_timesteps=16,
+                      env_backend="game", compile=False),
+    "ppo_continuous": dict(num_envs=4, num_steps=8, num_workers=2, total_timesteps=32),
+    "ppo_memory": dict(memory="lstm", num_envs=4, num_steps=8, num_workers=2, total_timesteps=32),
+    "ppo_multiagent": dict(num_envs=2, num_steps=25, num_workers=2, total_timesteps=50),
+    "ppo_spaces": dict(num_envs=4, num_steps=8, num_workers=2, num_minibatches=2, total_timesteps=32),
+}
+
+
+@pytest.mark.parametrize("script", sorted(WORKER_RUNS))
+def test_workers_never_finalize_the_trainers_objects(script, tmp_path, monkeypatch):
+    """A forked worker holds a copy of all the trainer's objects, its uncollected garbage too; were
+    its collector to free them, their finalizers would close, unmap or join (C++ threads that do not
+    exist in the child) what belongs to the trainer. A full collection in each worker, forced at
+    its start, must leave the trainer's garbage to the trainer."""
+    module = importlib.import_module(script)
+    child_loop = module.Worker.child_loop
+
+    def collect_first(self, *args):
+        gc.collect()
+        return child_loop(self, *args)
+
+    monkeypatch.setattr(module.Worker, "child_loop", collect_first)  # forked workers inherit it
+    finalized = tmp_path / "finalized_in"
+    gc.disable()  # the garbage is still there when the workers fork
+    try:
+        TrainersGarbage(finalized)
+        module.Main(module.Config(**WORKER_RUNS[script], run_dir=str(tmp_path / "run"))).run()
+        assert not finalized.exists()
+    finally:
+        gc.enable()
+    gc.collect()
+    assert finalized.read_text() == f"{os.getpid()}\n"  # the trainer's own collection frees it
 
 
 @pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
