@@ -780,7 +780,7 @@ def run_learning(bench, args, run_variant, play_random):
 
     for seed in args.seeds:
         for variant in (v for v in bench.trained if v in args.variants):
-            print(f"running {variant} seed {seed} ({args.steps:,} steps) ...", flush=True)
+            print(f"running {variant} seed {seed} ...", flush=True)  # (its budget: below)
             date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
             record, episodes, tail = run_variant(variant, seed, args)
             key = f"{variant}_seed{seed}"
@@ -796,7 +796,7 @@ def run_learning(bench, args, run_variant, play_random):
             last = statistics.fmean(e[1] for e in episodes[-WINDOW:]) if episodes else None
             print(f"  mean {bench.score} of the last {min(len(episodes), WINDOW)} of "
                   f"{len(episodes)} {unit}s {fmt(last, '.2f')}, {fmt(record['steps'], ',')} "
-                  f"steps, {record['wall_seconds']:.1f} s wall, "
+                  f"of {fmt(record['budget'], ',')} steps, {record['wall_seconds']:.1f} s wall, "
                   f"{fmt(record['steps_per_second'], '.0f')} steps/s steady ({record['status']})",
                   flush=True)
 
