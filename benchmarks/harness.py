@@ -780,7 +780,7 @@ def run_learning(bench, args, run_variant, play_random):
 
     for seed in args.seeds:
         for variant in (v for v in bench.trained if v in args.variants):
-            print(f"running {variant} seed {seed} ...", flush=True)  # its budget: in the line after it
+            print(f"running {variant} seed {seed} ...", flush=True)  # its budget: the line after
             date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
             record, episodes, tail = run_variant(variant, seed, args)
             key = f"{variant}_seed{seed}"
