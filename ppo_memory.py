@@ -38,17 +38,17 @@ def option(default, help, check=None, choices=None):  # a Config field, its --he
 
 
 # Each kind's own settings, for the fields Config leaves at None (measured: benchmarks/README.md).
-# lstm, gru and attention have a memory each for actor and critic; value loss 0.03 for gru (at 0.5
-# its clipped policy step never learned Acrobot) and attention (at 0.5 slower on CartPole); lstm and
-# gru look further ahead (gamma 0.99: at 0.98 a cart drifting off after ~150 steps went unseen).
+# lstm, gru and attention have a memory each for actor and critic and scale their rewards (without
+# it, value targets of 50-100 and no setting tried reached every seed of both games); lstm and gru
+# look further ahead (gamma 0.99: at 0.98 a cart drifting off after ~150 steps went unseen).
 KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
-               "vf_coef", "gamma")
+               "vf_coef", "gamma", "scale_rewards")
 KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
-    "none": (8e-3, 32, 2, 8, 64, 0.5, 0.98),
-    "framestack": (8e-3, 32, 2, 8, 64, 0.5, 0.98),
-    "lstm": (3e-3, 32, 4, 8, 128, 0.5, 0.99),
-    "gru": (3e-3, 32, 4, 8, 128, 0.03, 0.99),
-    "attention": (3e-3, 32, 4, 8, 64, 0.03, 0.98),
+    "none": (8e-3, 32, 2, 8, 64, 0.5, 0.98, False),
+    "framestack": (8e-3, 32, 2, 8, 64, 0.5, 0.98, False),
+    "lstm": (3e-3, 32, 4, 8, 128, 0.5, 0.99, True),
+    "gru": (3e-3, 32, 4, 8, 128, 0.5, 0.99, True),
+    "attention": (3e-3, 32, 4, 8, 64, 0.03, 0.98, True),
 }.items()}
 
 
@@ -78,6 +78,7 @@ class Config:
     attention_span: int = option(16, "with --memory attention: steps each step attends to", "> 0")
     prev_action_reward: bool = option(True, "give the model the previous action and reward too")
     normalize_observations: bool = option(True, "scale observations by a running mean and std")
+    scale_rewards: Optional[bool] = option(None, "divide rewards by the running std of the return")
 
     # Collecting experience.
     env: str = option("StatelessCartPole-v1", "gymnasium id (popgym-* too): Discrete actions")
@@ -257,8 +258,9 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 class RunningMeanStd:
     """Running mean and variance of each observation entry, to normalise them (37 details,
     continuous-action #6: an angle of 0.05 rad beside a one-hot action of 1 would barely move a
-    cell's gates). A view of the Model's buffers, merged with each rollout's observations by Chan et
-    al.'s (1979) formula, exact for any split: with delta = mean_b - mean_a and n = n_a + n_b,
+    cell's gates), and of the discounted return, to scale the rewards (#8). A view of the Model's
+    buffers, merged with each rollout's numbers by Chan et al.'s (1979) formula, exact for any
+    split: with delta = mean_b - mean_a and n = n_a + n_b,
         mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n"""
 
     def __init__(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
@@ -279,6 +281,9 @@ class RunningMeanStd:
 
     def normalize(self, obs: torch.Tensor) -> torch.Tensor:  # clipped (continuous-action #7)
         return ((obs - self.mean) / (self.var + 1e-8).sqrt()).clamp(-10.0, 10.0)
+
+    def scale(self, rewards: torch.Tensor) -> torch.Tensor:  # divided by the std, not centred
+        return rewards / (self.var + 1e-8).sqrt()
 
 
 def encode_inputs(model: "Model", obs, prev_actions=None, prev_rewards=None, new_episode=None):
@@ -411,9 +416,10 @@ class Model(nn.Module):
     def __init__(self, obs_size: int, num_actions: int, config: Config):
         super().__init__()
         self.kind, self.num_actions, self.config = config.memory, num_actions, config
-        self.register_buffer("obs_mean", torch.zeros(obs_size))  # the statistics, `obs_stats`
-        self.register_buffer("obs_var", torch.ones(obs_size))
-        self.register_buffer("obs_count", torch.tensor(1e-4))
+        for name, size in (("obs", obs_size), ("return", 1)):  # `obs_stats`, `return_stats`
+            self.register_buffer(f"{name}_mean", torch.zeros(size))
+            self.register_buffer(f"{name}_var", torch.ones(size))
+            self.register_buffer(f"{name}_count", torch.tensor(1e-4))
         self.input_size = obs_size + (num_actions + 1 if config.prev_action_reward else 0)
         # Rows of the rollout that one step reads: its own, and the k - 1 (M - 1) before it.
         self.window = {"framestack": config.frame_stack, "attention": config.attention_span}.get(
@@ -433,6 +439,10 @@ class Model(nn.Module):
     @property
     def obs_stats(self) -> RunningMeanStd:
         return RunningMeanStd(self.obs_mean, self.obs_var, self.obs_count)
+
+    @property
+    def return_stats(self) -> RunningMeanStd:
+        return RunningMeanStd(self.return_mean, self.return_var, self.return_count)
 
     def initial_memory(self, batch: int, device=None) -> tuple:  # zeros (LSTM details, #2)
         hidden, count = self.config.hidden_size, {"lstm": 4, "gru": 2}.get(self.kind, 0)
@@ -531,8 +541,8 @@ class Rollout:
         self.starts = torch.zeros(rows, device=device)
         shape = (config.num_steps, config.num_envs)
         self.actions = torch.zeros(shape, dtype=torch.long, device=device)
-        self.log_probs, self.values, self.rewards, self.dones = (
-            torch.zeros(shape, device=device) for _ in range(4))
+        self.log_probs, self.values, self.rewards, self.dones, self.discounted_returns = (
+            torch.zeros(shape, device=device) for _ in range(5))
         self.observations = torch.zeros(shape + model.obs_mean.shape, device=device)  # for stats
         self.first_memory = ()
 
@@ -657,6 +667,7 @@ class Main:
             self.memory = self.model.initial_memory(config.num_envs, guard.device)
             self.next_input = encode_inputs(self.model, self.games.observations())
             self.next_start = torch.ones(config.num_envs, device=guard.device)
+            self.discounted_returns = torch.zeros(config.num_envs, device=guard.device)  # R_t
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 self.collect_rollout()  # 1. play with the current policy, carrying the memory
@@ -694,8 +705,16 @@ class Main:
             rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
             raw_rewards = torch.from_numpy(result.rewards).to(device)
-            rewards = raw_rewards.clone()
             done = torch.from_numpy(result.terminated | result.truncated).to(device).float()
+            # Reward scaling (37 details, continuous-action #8): r_t / std(R), R_t = r_t + gamma
+            # R_(t-1) each game's discounted return, std(R) that of the rollouts before: values
+            # near 1 whatever the game pays, so the value loss cannot swamp the policy's gradient
+            # in the global clip. Not centred: a shift would change whether long episodes pay.
+            self.discounted_returns = self.discounted_returns * config.gamma + raw_rewards
+            rollout.discounted_returns[step] = self.discounted_returns
+            self.discounted_returns = self.discounted_returns * (1 - done)
+            rewards = (model.return_stats.scale(raw_rewards) if config.scale_rewards
+                       else raw_rewards.clone())
             # Truncation is not death: a time-limit cut adds gamma * V(final obs) to its last
             # reward, V seen by the memory *after* this step (not a reset one); GAE then cuts there.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
@@ -716,6 +735,9 @@ class Main:
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
         if config.normalize_observations:  # (hook: under torchrun, those of all ranks' batches)
             model.obs_stats.update(rollout.observations.flatten(0, 1), self.guard.ranks.pooled)
+        if config.scale_rewards:
+            model.return_stats.update(rollout.discounted_returns.flatten()[:, None],
+                                      self.guard.ranks.pooled)
 
     def estimate_advantages(self):
         """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
