@@ -708,8 +708,8 @@ class Main:
             done = torch.from_numpy(result.terminated | result.truncated).to(device).float()
             # Reward scaling (37 details, continuous-action #8): r_t / std(R), R_t = r_t + gamma
             # R_(t-1) each game's discounted return, std(R) that of the rollouts before: values
-            # near 1 whatever the game pays, so the value loss cannot swamp the policy's gradient
-            # in the global clip. Not centred: a shift would change whether long episodes pay.
+            # near 1 whatever the game pays, so that the value loss does not set the global clip's
+            # norm for the policy too. Not centred: a shift would change whether long episodes pay.
             self.discounted_returns = self.discounted_returns * config.gamma + raw_rewards
             rollout.discounted_returns[step] = self.discounted_returns
             self.discounted_returns = self.discounted_returns * (1 - done)
