@@ -25,7 +25,7 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 LESSON_LINES = {"ppo_atari.py": 500, "ppo_cartpole.py": 500, "ppo_continuous.py": 500,
                 "ppo_memory.py": 778, "ppo_multiagent.py": 618, "ppo_spaces.py": 621}
 FILE_LINES = {"ppo_atari.py": 1522, "ppo_cartpole.py": 1739, "ppo_continuous.py": 1896,
-              "ppo_memory.py": 1809, "ppo_multiagent.py": 1852, "ppo_spaces.py": 1831}
+              "ppo_memory.py": 1815, "ppo_multiagent.py": 1852, "ppo_spaces.py": 1831}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 3
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",

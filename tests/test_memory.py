@@ -361,6 +361,13 @@ def test_command_line_checkpoint_resume_and_eval_keep_the_memory(tmp_path):
     assert resumed["optimizer"]["steps"] == 4 * gru["update_epochs"] * gru["num_minibatches"]
     result = run_script("--eval", run_dir / "checkpoint.pt", "--eval-episodes", 2)
     assert result.returncode == 0 and "over 2 episodes" in result.stdout, result.stderr
+    # A checkpoint of an older script, without the reward-scaling statistics: one line, exit 2.
+    del checkpoint["model"]["return_var"]
+    torch.save(checkpoint, tmp_path / "older.pt")
+    for flag in ("--eval", "--resume"):
+        result = run_script(flag, tmp_path / "older.pt", "--run-dir", tmp_path / flag)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+        assert "does not fit" in result.stderr and "return_var" in result.stderr
 
 
 # ----- bad input -------------------------------------------------------------------------------------
