@@ -1251,13 +1251,18 @@ def learner_state(main: Main) -> dict:
     }
 
 
-def restore_learner(main: Main, state: dict):
+def load_weights(model: Model, weights: dict, config: Config):
+    """A checkpoint's weights into `model`; one that does not fit (another version of this script
+    wrote it) is refused in one line, for --resume and --eval alike."""
     try:
-        main.model.load_state_dict(state["model"])
+        model.load_state_dict(weights)
     except RuntimeError as error:
-        raise UsageError(f"the checkpoint's network does not fit {main.config.env} "
-                         f"({main.guard.num_actions} actions): "
+        raise UsageError(f"the checkpoint's network does not fit {config.env}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
+
+
+def restore_learner(main: Main, state: dict):
+    load_weights(main.model, state["model"], main.config)
     main.trainer.optimizer.load_state_dict(state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
@@ -1343,7 +1348,7 @@ def evaluate_checkpoint(given: Config) -> dict:
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
     model = Model(inspect_env(config.env), bfloat16=config.precision == "bfloat16")
-    model.load_state_dict(checkpoint["model"])
+    load_weights(model, checkpoint["model"], config)
     torch.manual_seed(config.seed)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
     video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()

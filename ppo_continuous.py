@@ -1583,13 +1583,19 @@ def learner_state(main: Main) -> dict:
     }
 
 
-def restore_learner(main: Main, state: dict):
+def load_weights(model: Model, weights: dict, config: Config):
+    """A checkpoint's weights into `model`; one that does not fit (another version of this script
+    wrote it) is refused in one line, for --resume and --eval alike."""
     try:
-        main.model.load_state_dict(state["model"])
+        model.load_state_dict(weights)
     except RuntimeError as error:
-        raise UsageError(f"the checkpoint's network does not fit {main.config.env} with hidden "
-                         f"size {main.config.hidden_size}: "
+        raise UsageError(f"the checkpoint's network does not fit {config.env} with hidden "
+                         f"size {config.hidden_size}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
+
+
+def restore_learner(main: Main, state: dict):
+    load_weights(main.model, state["model"], main.config)
     main.trainer.optimizer.load_state_dict(state["optimizer"])
     load_statistics(main.obs_stats, state["normalizer"]["obs"])
     load_statistics(main.return_stats, state["normalizer"]["return"])
@@ -1682,7 +1688,7 @@ def evaluate_checkpoint(given: Config) -> dict:
         raise UsageError(f"--video of {config.env} needs a display, or MuJoCo's offscreen "
                          f"drawing: run with MUJOCO_GL=egl or MUJOCO_GL=osmesa")
     model = Model(obs_size, action_size, config.hidden_size)
-    model.load_state_dict(checkpoint["model"])
+    load_weights(model, checkpoint["model"], config)
     obs_stats = RunningMeanStd((obs_size,), "cpu", active=config.normalize_observations)
     load_statistics(obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)

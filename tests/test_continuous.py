@@ -240,6 +240,11 @@ def test_the_checkpoint_holds_the_statistics_eval_freezes_them_and_resume_restor
     torch.save(checkpoint, tmp_path / "shifted.pt")
     shifted = pc.Main(pc.Config(**{**evaluate, "eval": str(tmp_path / "shifted.pt")})).run()
     assert shifted["returns"] != first["returns"]
+    # Weights that do not fit the network (another version's) are refused in one line, not raised.
+    del checkpoint["model"]["log_std"]
+    torch.save(checkpoint, tmp_path / "misfit.pt")
+    with pytest.raises(pc.UsageError, match="network does not fit .*log_std"):
+        pc.Main(pc.Config(**{**evaluate, "eval": str(tmp_path / "misfit.pt")})).run()
 
     # --resume continues from the saved statistics.
     resumed = pc.Main(pc.Config(resume=str(run_dir / "checkpoint.pt"), total_timesteps=3 * BATCH))

@@ -121,6 +121,14 @@ def test_truncated_and_foreign_checkpoints_are_refused(script, tmp_path):
         result = run_script(other, flag, checkpoint, "--run-dir", tmp_path / "new")
         assert result.returncode == 2 and f"was written by {script}.py, not {other}.py" in result.stderr
         assert "Traceback" not in result.stderr
+    # Weights that do not fit the network (as another version of the script might write them).
+    state = torch.load(checkpoint, weights_only=True)
+    state["model"].pop(next(iter(state["model"])))
+    torch.save(state, tmp_path / "misfit.pt")
+    for flag in ("--resume", "--eval"):
+        result = run_script(script, flag, tmp_path / "misfit.pt", "--run-dir", tmp_path / flag)
+        assert result.returncode == 2 and "network does not fit" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("script,other_env", [("ppo_cartpole", "Acrobot-v1"), ("ppo_atari", "ALE/Pong-v5")])
