@@ -38,9 +38,9 @@ def option(default, help, check=None, choices=None):  # a Config field, its --he
 
 
 # Each kind's own settings, for the fields Config leaves at None (measured: benchmarks/README.md).
-# lstm, gru and attention have a memory each for actor and critic and scale their rewards (without
-# it, value targets of 50-100 and no setting tried reached every seed of both games); lstm and gru
-# look further ahead (gamma 0.99: at 0.98 a cart drifting off after ~150 steps went unseen).
+# lstm, gru and attention have a memory each for actor and critic and scale their rewards (unscaled,
+# with value targets of 50-100, no setting tried met every seed of both games); lstm and gru look
+# further ahead (gamma 0.99: at 0.98 a cart drifting off after ~150 steps went unseen).
 KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
                "vf_coef", "gamma", "scale_rewards")
 KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
@@ -279,11 +279,11 @@ class RunningMeanStd:
                        / total)
         self.count += new
 
-    def normalize(self, obs: torch.Tensor) -> torch.Tensor:  # clipped (continuous-action #7)
-        return ((obs - self.mean) / (self.var + 1e-8).sqrt()).clamp(-10.0, 10.0)
+    def scale(self, numbers: torch.Tensor) -> torch.Tensor:  # divided by the std, not centred
+        return numbers / (self.var + 1e-8).sqrt()
 
-    def scale(self, rewards: torch.Tensor) -> torch.Tensor:  # divided by the std, not centred
-        return rewards / (self.var + 1e-8).sqrt()
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:  # clipped (continuous-action #7)
+        return self.scale(obs - self.mean).clamp(-10.0, 10.0)
 
 
 def encode_inputs(model: "Model", obs, prev_actions=None, prev_rewards=None, new_episode=None):
@@ -710,11 +710,13 @@ class Main:
             # R_(t-1) each game's discounted return, std(R) that of the rollouts before: values
             # near 1 whatever the game pays, so that the value loss does not set the global clip's
             # norm for the policy too. Not centred: a shift would change whether long episodes pay.
-            self.discounted_returns = self.discounted_returns * config.gamma + raw_rewards
-            rollout.discounted_returns[step] = self.discounted_returns
-            self.discounted_returns = self.discounted_returns * (1 - done)
-            rewards = (model.return_stats.scale(raw_rewards) if config.scale_rewards
-                       else raw_rewards.clone())
+            if config.scale_rewards:
+                rollout.discounted_returns[step] = returns = (self.discounted_returns * config.gamma
+                                                              + raw_rewards)
+                self.discounted_returns = returns * (1 - done)  # 0 where an episode ended
+                rewards = model.return_stats.scale(raw_rewards)
+            else:  # (a copy: a cut below adds to it, and raw_rewards is the next input)
+                rewards = raw_rewards.clone()
             # Truncation is not death: a time-limit cut adds gamma * V(final obs) to its last
             # reward, V seen by the memory *after* this step (not a reset one); GAE then cuts there.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
