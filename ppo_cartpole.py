@@ -22,8 +22,11 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
+import random
 import sys
+import time
 import typing
+from collections import deque
 from typing import Optional
 
 SCRIPT = "ppo_cartpole"
@@ -73,7 +76,8 @@ class Config:
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than solving CartPole)")
-    numpy_on_cpu: bool = option(True, "on the CPU, play and learn in NumPy: less overhead")
+    env_backend: str = option("vector", "vector (gymnasium's vector engine where the env has one, "
+                              "CartPole-v1) | game (the lesson's Game in Workers)")
 
 
 def parse_config(argv=None) -> Config:
@@ -104,8 +108,6 @@ def parse_config(argv=None) -> Config:
 
 
 if __name__ == "__main__" and "__file__" in globals():
-    import os  # NumPy reads this as it loads (below): its matrix products on one core (RunGuard)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
 
 import gymnasium as gym
@@ -133,6 +135,15 @@ class Game:
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0
         return np.asarray(obs, dtype=np.float32).reshape(-1)
 
+    def sizes(self) -> tuple:
+        """What the Model is built for: (observation size, choices per action dimension, binary)."""
+        space = self.action_space
+        if isinstance(space, gym.spaces.Discrete):
+            return int(np.prod(self.env.observation_space.shape)), [int(space.n)], False
+        binary = isinstance(space, gym.spaces.MultiBinary)
+        dims = [2] * int(np.prod(space.shape)) if binary else [int(n) for n in space.nvec.flat]
+        return int(np.prod(self.env.observation_space.shape)), dims, binary
+
     def env_action(self, action: np.ndarray):
         space = self.action_space
         if isinstance(space, gym.spaces.Discrete):
@@ -150,6 +161,16 @@ class Game:
             info["episode"] = {"return": self.episode_return, "length": self.episode_length}
             obs = self.reset()
         return np.asarray(obs, dtype=np.float32).reshape(-1), reward, terminated, truncated, info
+
+
+class StepResult(typing.NamedTuple):
+    """What one step of all the games gives the trainer, besides the observations."""
+
+    rewards: np.ndarray  # [num_envs]
+    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game (the pole fell)
+    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
+    final_obs: dict  # env index -> the last observation of the episode that ended there
+    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
 
 
 class Worker:
@@ -189,6 +210,13 @@ class Worker:
         conn.send(("ok", None))
         while (command := conn.recv())[0] == "step":
             conn.send(("ok", self.step_games(games, command[1], obs_view)))
+
+    def step(self, actions: np.ndarray) -> StepResult:  # the games' step, as WorkerPool's
+        self.send_step(actions)
+        return StepResult(*self.receive())
+
+    def observations(self) -> torch.Tensor:  # the Games' current observations (shared memory)
+        return torch.from_numpy(self.obs_view)
 
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
@@ -329,8 +357,8 @@ class Trainer:
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam with eps 1e-5, not 1e-8 (37 details, #3); `Adam` is torch.optim.Adam's arithmetic.
-        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3).
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -389,7 +417,9 @@ class Trainer:
         evaluated = self.model.evaluate_actions(minibatch.obs, minibatch.actions)  # log pi, H, V
         return self.ppo_loss(minibatch, *evaluated, self.config)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
+    def gradient_step(self, minibatch: Minibatch) -> dict:
+        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
+        global norm clip, Adam. Returns the diagnostics as tensors."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -401,6 +431,73 @@ class Trainer:
         return stats
 
 
+class Run:
+    """The plain run that `Main.train` talks to: seeds, the device, the env's sizes, the games (one
+    Worker), a progress line per update and the summary; all the lesson needs to train. Below the
+    banner, `RunGuard` extends it: Ctrl-C, checkpoints, the non-finite guard, torchrun, logging,
+    summary.json and the fast engines."""
+
+    def __init__(self, main: "Main"):
+        self.main, self.config, self.games, self.summary = main, main.config, None, None
+        self.returns, self.updates, self.solved_step = deque(maxlen=100), 0, None
+
+    def __enter__(self) -> "Run":
+        """Seed every random draw, pick the device, read the sizes the Model needs."""
+        config, self.start_time = self.config, time.perf_counter()
+        random.seed(config.seed)
+        np.random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        self.device = torch.device("cuda" if config.device != "cpu"
+                                   and torch.cuda.is_available() else "cpu")
+        game = Game(config.env, config.seed)
+        self.obs_size, self.action_dims, self.binary = game.sizes()
+        game.close()
+        self.steps_per_step = config.num_envs  # environment steps per step of the loop
+        return self
+
+    def prepare_learner(self) -> int:  # the step to start from (the machinery's: --resume's)
+        return 0
+
+    def start_games(self) -> Worker:  # all games in one Worker, game i seeded with seed + i
+        obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
+        self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
+        return self.games
+
+    def stop_at_once(self) -> bool:  # end the rollout now? (the machinery's Ctrl-C)
+        return False
+
+    def mean(self, value: float) -> float:  # the mean over torchrun's processes: one here
+        return value
+
+    def after_rollout(self, ended: list):
+        """Record the returns of the episodes that ended, as (global step, episode); the target."""
+        target = self.config.target_return
+        for step, episode in ended:
+            self.returns.append(episode["return"])
+            if (target is not None and self.solved_step is None and len(self.returns) == 100
+                    and np.mean(self.returns) >= target):
+                self.solved_step = step
+
+    def after_update(self, stats: dict):  # a progress line
+        self.updates += 1
+        speed = self.main.global_step / (time.perf_counter() - self.start_time)
+        print(f"step {self.main.global_step:,} | {speed:,.0f} steps/s | return "
+              f"{np.mean(self.returns) if self.returns else '-'} | updates {self.updates}")
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        """Close the games and keep the summary; an error goes on up."""
+        if self.games is not None:
+            self.games.close()
+        self.summary = {"script": SCRIPT, "env": self.config.env, "steps": self.main.global_step,
+                        "mean_return_100": float(np.mean(self.returns)) if self.returns else None,
+                        "solved_step": self.solved_step}
+        return False
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
+        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner")
+
+
 class Main:
     """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
     One iteration (37 details, #6): play num_steps steps in each of num_envs games, estimate each
@@ -410,19 +507,23 @@ class Main:
         self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        return evaluate_checkpoint(self.config) if self.config.eval else self.train()
+        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
+        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
+        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
+        # Cut at the banner, the lesson runs with Run alone.
+        run_class = globals().get("RunGuard", Run)
+        return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
-    def train(self) -> dict:
-        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+    def train(self, run_class: type) -> dict:
+        self.guard = run_class(self)  # seeds, the games, the progress line, the summary
         with self.guard as guard:
             config = self.config  # (the checkpoint's settings, when resuming)
             self.model = Model(guard.obs_size, guard.action_dims, guard.binary, config.hidden_size)
             self.trainer = Trainer(self.model.to(guard.device), config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # The games: CartPole-v1 runs on a vectorised engine, the same game as Game (tests/).
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, len(guard.action_dims), guard.device)
-            next_obs = self.games.observations()
+            next_obs = self.games.observations().to(guard.device)
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -438,7 +539,8 @@ class Main:
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
-            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
@@ -452,7 +554,7 @@ class Main:
             actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
             rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
-            next_obs = self.games.observations()
+            next_obs = self.games.observations().to(device)
             rewards = torch.from_numpy(result.rewards).to(device)
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
             # last reward gets gamma * V(final observation); then `dones` cuts GAE at both ends.
@@ -501,9 +603,9 @@ class Main:
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on, the lesson's step in NumPy for the CPU, Adam and compilation; `Ranks`
-# (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary); checkpoints;
-# evaluation and video; the input checks; the command line.
+# the games run on and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C,
+# failures, logging, summary), which extend the lesson's plain `Run`; checkpoints; evaluation and
+# video; the input checks; the command line.
 
 import copy
 import datetime
@@ -513,11 +615,8 @@ import json
 import logging
 import multiprocessing.connection
 import os
-import random
 import signal
 import threading
-import time
-from collections import deque
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -664,16 +763,6 @@ class InProcessWorker(Worker):
         self.close_games(self.games)
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
-
-    rewards: np.ndarray  # [num_envs]
-    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game (the pole fell)
-    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
-    final_obs: dict  # env index -> the last observation of the episode that ended there
-    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
-
-
 class WorkerPool:
     """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
     this process with --num-workers 0), their observations in one [num_envs, obs_size] array
@@ -688,9 +777,15 @@ class WorkerPool:
             self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
             self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
         worker_class = GuardedWorker if config.num_workers else InProcessWorker
-        if gym.spec(config.env).vector_entry_point == SameStepCartPole.ENTRY_POINT:
-            worker_class = type(worker_class.__name__, (CartPoleGames, worker_class), {})
         games_per_worker = config.num_envs // max(config.num_workers, 1)
+        where = (f"{games_per_worker} per Worker in {config.num_workers} child processes"
+                 if config.num_workers else "in this process")
+        self.engine = f"the lesson's Game, {where}"
+        if (config.env_backend == "vector"
+                and gym.spec(config.env).vector_entry_point == SameStepCartPole.ENTRY_POINT):
+            worker_class = type(worker_class.__name__, (CartPoleGames, worker_class), {})
+            self.engine = (f"gymnasium's vector CartPole, {where}, the same game as Game "
+                           f"(tests/test_cartpole_units.py); --env-backend game plays the lesson's")
         try:
             for index in range(max(config.num_workers, 1)):
                 first = index * games_per_worker
@@ -733,244 +828,7 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
-# ----- The CPU's fast path: the same step in NumPy ------------------------------------------------
-
-
-def use_numpy_on_cpu(main: Main):
-    """--numpy-on-cpu (the default). On the CPU a CartPole run is mostly overhead: torch's eager
-    dispatch costs a few microseconds for each of the ~40 small operations of a rollout step, and
-    a 1,024-row gradient step with autograd costs more than the same arithmetic in NumPy, whose tanh
-    is several times faster than torch's on some CPUs (benchmarks/README.md). So NumpyPlayer and
-    NumpyLearner compute the lesson's formulas again in NumPy, on the lesson's own tensors (a CPU
-    tensor and its `.numpy()` share memory): the weights and Adam's moments stay the ones
-    checkpoints save, --eval plays and torchrun copies. tests/ check both against the lesson's
-    torch code: they agree up to rounding. torchrun keeps torch's gradient step (its gradients are
-    averaged over the ranks); --compile keeps torch throughout."""
-    config, guard = main.config, main.guard
-    if not config.numpy_on_cpu or guard.device.type != "cpu" or config.compile:
-        return
-    if guard.ranks.world_size == 1:
-        main.trainer.gradient_step = NumpyLearner(main).gradient_step
-    main.collect_rollout = NumpyPlayer(main).collect_rollout  # (its views: after the learner's)
-
-
-def numpy_layers(mlp: nn.Sequential) -> list:
-    """(W [out, in], b [out]) of each Linear of one of the Model's MLPs, as NumPy views."""
-    return [(linear.weight.detach().numpy(), linear.bias.detach().numpy()) for linear in mlp[::2]]
-
-
-def numpy_mlp(layers: list, x: np.ndarray, inputs: Optional[list] = None) -> np.ndarray:
-    """x through Linear-tanh-Linear-tanh-Linear; `inputs` collects each layer's input."""
-    for index, (weight, bias) in enumerate(layers):
-        if inputs is not None:
-            inputs.append(x)
-        x = x @ weight.T + bias
-        if index < len(layers) - 1:
-            x = np.tanh(x)
-    return x
-
-
-def numpy_log_policy(model: Model, actor_out: np.ndarray) -> np.ndarray:
-    """Model.logits, then log_softmax: the actor's output [n, outputs] as log-probabilities
-    [n, dims, choices]."""
-    if model.binary:
-        logits = np.stack([np.zeros_like(actor_out), actor_out], -1)
-    else:
-        logits = (actor_out.reshape(len(actor_out), len(model.action_dims), model.num_choices)
-                  + model.logit_padding.numpy())
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
-class NumpyPlayer:
-    """Main.collect_rollout in NumPy (see use_numpy_on_cpu)."""
-
-    def __init__(self, main: Main):
-        self.main, self.config, self.guard = main, main.config, main.guard
-        self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
-        self.last_choices = np.array(main.model.action_dims) - 1  # [dims]
-
-    def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Main.collect_rollout, step for step (its comments say why). An action is drawn as the
-        first choice whose cumulative probability exceeds a uniform number (inverting the
-        categorical's distribution function); the numbers come from torch's seeded generator,
-        once a rollout."""
-        main, config, guard, rollout = self.main, self.config, self.guard, self.main.rollout
-        obs, actions, log_probs, values, rewards, dones = (
-            tensor.numpy() for tensor in (rollout.obs, rollout.actions, rollout.log_probs,
-                                          rollout.values, rollout.rewards, rollout.dones))
-        uniforms = torch.rand(actions.shape).numpy()[..., None]  # [num_steps, num_envs, dims, 1]
-        ended = []
-        for step in range(config.num_steps):
-            if guard.stop_at_once():
-                break
-            obs[step] = next_obs.numpy()
-            log_policy = numpy_log_policy(main.model, numpy_mlp(self.actor, obs[step]))
-            below = (np.cumsum(np.exp(log_policy), -1) <= uniforms[step]).sum(-1)
-            actions[step] = np.minimum(below, self.last_choices)  # (a sum rounded below 1)
-            log_probs[step] = np.take_along_axis(log_policy, actions[step, ..., None],
-                                                 -1).sum((-1, -2))
-            values[step] = numpy_mlp(self.critic, obs[step])[:, 0]
-            result = main.games.step(actions[step])
-            next_obs = main.games.observations()
-            rewards[step] = result.rewards
-            cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
-            if cut:
-                cut_obs = np.stack([result.final_obs[i] for i in cut])
-                rewards[step, cut] += config.gamma * numpy_mlp(self.critic, cut_obs)[:, 0]
-            dones[step] = result.terminated | result.truncated
-            main.global_step += guard.steps_per_step
-            ended += [(main.global_step, episode) for episode in result.episodes.values()]
-        guard.after_rollout(ended)
-        return next_obs
-
-
-class NumpyLearner:
-    """Trainer.gradient_step in NumPy (see use_numpy_on_cpu): Trainer.ppo_loss, its gradient by
-    the chain rule written out from the loss back to each weight, the global norm clipped, Adam's
-    step. The model's weights and Adam's moments move into one flat array each (the tensors stay,
-    their memory a view into it), so that clipping and Adam are a few operations on all at once."""
-
-    def __init__(self, main: Main):
-        self.config, self.model, optimizer = main.config, main.model, main.trainer.optimizer
-        named = list(main.model.named_parameters())  # the order of optimizer.params
-        total = sum(param.numel() for _, param in named)
-        self.params, self.exp_avg, self.exp_avg_sq, self.grad = (
-            np.zeros(total, np.float32) for _ in range(4))
-        self.grads, self.optimizer, offset = {}, optimizer, 0  # grads: name -> view of `grad`
-        for index, (name, param) in enumerate(named):
-            part, shape = slice(offset, offset + param.numel()), param.shape
-            param.data = torch.from_numpy(self.params[part]).view(shape).copy_(param.data)
-            for flat, moments in ((self.exp_avg, optimizer.exp_avg),
-                                  (self.exp_avg_sq, optimizer.exp_avg_sq)):
-                moments[index] = torch.from_numpy(flat[part]).view(shape).copy_(moments[index])
-            self.grads[name] = self.grad[part].reshape(shape)
-            offset += param.numel()
-        self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
-
-    def gradient_step(self, minibatch: Minibatch) -> dict:
-        config, (obs, actions, old_log_probs, advantages, returns, old_values) = (
-            self.config, (tensor.numpy() for tensor in minibatch))
-        n, clip = len(obs), self.config.clip_coef
-        actor_inputs, critic_inputs = [], []  # each layer's input, for its gradient
-        log_policy = numpy_log_policy(self.model, numpy_mlp(self.actor, obs, actor_inputs))
-        new_values = numpy_mlp(self.critic, obs, critic_inputs)[:, 0]
-        policy = np.exp(log_policy)  # [n, dims, choices]
-        entropies = -(policy * log_policy).sum(-1)  # [n, dims]
-        new_log_probs = np.take_along_axis(log_policy, actions[..., None], -1).sum((-1, -2))
-        centred = advantages - advantages.sum() / n
-        advantages = centred / (np.sqrt((centred ** 2).sum() / (n - 1)) + 1e-8)
-        log_ratio = new_log_probs - old_log_probs
-        ratio = np.exp(log_ratio)
-        clipped_ratio = np.minimum(np.maximum(ratio, 1 - clip), 1 + clip)
-        unclipped_term, clipped_term = -advantages * ratio, -advantages * clipped_ratio
-        policy_loss = np.maximum(unclipped_term, clipped_term).sum() / n
-        # d loss / d ratio flows through the larger term (a tie splits it, as torch.max does);
-        # the clipped one passes it only inside [1 - eps, 1 + eps], where clamp is the identity.
-        inside = (ratio >= 1 - clip) & (ratio <= 1 + clip)
-        d_ratio = np.where(unclipped_term > clipped_term, -advantages,
-                           np.where(unclipped_term < clipped_term, -advantages * inside,
-                                    -advantages * (1 + inside) / 2)) / n
-        d_log_probs = d_ratio * ratio  # ratio = exp(log_ratio)
-        # With logits z and pi = softmax(z): log pi_a = z_a - log sum exp z, so d log pi_a / d z
-        # = onehot(a) - pi; the entropy H = -sum pi log pi has d H / d z = -pi (log pi + H), and
-        # the loss holds -ent_coef * H averaged over the rows.
-        taken = np.arange(log_policy.shape[-1]) == actions[..., None]  # one-hot [n, dims, choices]
-        d_logits = (d_log_probs[:, None, None] * (taken - policy)
-                    + config.ent_coef / n * policy * (log_policy + entropies[..., None]))
-        d_actor_out = d_logits[..., 1] if self.model.binary else d_logits.reshape(n, -1)
-        squared = (new_values - returns) ** 2
-        d_squared = 2 * (new_values - returns)
-        if config.clip_value_loss:  # the larger of the two squares, as for the policy
-            moved = new_values - old_values
-            clipped_values = old_values + np.minimum(np.maximum(moved, -clip), clip)
-            clipped_squared = (clipped_values - returns) ** 2
-            d_clipped = 2 * (clipped_values - returns) * ((moved >= -clip) & (moved <= clip))
-            d_squared = np.where(squared > clipped_squared, d_squared,
-                                 np.where(squared < clipped_squared, d_clipped,
-                                          (d_squared + d_clipped) / 2))
-            squared = np.maximum(squared, clipped_squared)
-        value_loss = 0.5 * squared.sum() / n
-        d_values = d_squared * (0.5 * config.vf_coef / n)
-        self.backpropagate("critic", self.critic, critic_inputs, d_values[:, None])
-        self.backpropagate("actor", self.actor, actor_inputs, d_actor_out)
-        grad_norm = self.clip_and_step()
-        with np.errstate(all="ignore"):  # (a NaN is RunGuard's to report)
-            approx_kl = ((ratio - 1) - log_ratio).sum() / n
-            clip_fraction = (np.abs(ratio - 1) > clip).sum() / n
-        stats = torch.tensor([policy_loss, value_loss, entropies.sum() / n, approx_kl,
-                              clip_fraction, grad_norm], dtype=torch.float32)
-        return dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
-                         "grad_norm"), stats.unbind()))
-
-    def backpropagate(self, name: str, layers: list, inputs: list, d_out: np.ndarray):
-        """Through numpy_mlp, last layer first: for y = x W^T + b, dW = dy^T x, db = sum dy and
-        dx = dy W; through x = tanh(u), du = dx (1 - x^2). Writes dW and db into self.grads."""
-        for index in reversed(range(len(layers))):
-            x = inputs[index]
-            self.grads[f"{name}.{2 * index}.weight"][...] = d_out.T @ x
-            self.grads[f"{name}.{2 * index}.bias"][...] = d_out.sum(0)
-            if index > 0:
-                d_out = (d_out @ layers[index][0]) * (1 - x * x)
-
-    def clip_and_step(self) -> float:
-        """nn.utils.clip_grad_norm_ (the global norm scaled down to max_grad_norm), then `Adam`'s
-        step, on all weights at once. Returns the norm before clipping."""
-        optimizer, grad, m, v = self.optimizer, self.grad, self.exp_avg, self.exp_avg_sq
-        norm = float(np.sqrt(np.dot(grad, grad)))
-        grad *= np.float32(min(1.0, self.config.max_grad_norm / (norm + 1e-6)))
-        (beta1, beta2), optimizer.steps = optimizer.betas, optimizer.steps + 1
-        m += (1 - beta1) * (grad - m)
-        v *= beta2
-        v += (1 - beta2) * grad * grad
-        denominator = np.sqrt(v) / math.sqrt(1 - beta2 ** optimizer.steps) + optimizer.eps
-        params = self.params
-        params -= optimizer.lr / (1 - beta1 ** optimizer.steps) * m / denominator
-        return norm
-
-
-# ----- Adam and compilation -----------------------------------------------------------------------
-
-
-class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
-    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
-    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
-
-    def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
-        self.steps += 1
-        # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
-        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(self.exp_avg_sq, beta2)
-        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
-        # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
-        denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
-        torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / (1 - beta1 ** self.steps)
-        torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "lr": self.lr, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, state: dict):
-        self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
-                               state["exp_avg"] + state["exp_avg_sq"]):
-            mine.copy_(saved)
+# ----- Compilation --------------------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -1143,7 +1001,7 @@ class NonFiniteLoss(RuntimeError):
 FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit status 1
 
 
-class RunGuard:
+class RunGuard(Run):
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
     On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
     Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
@@ -1157,6 +1015,10 @@ class RunGuard:
 
     config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval
+        return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
         if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
@@ -1191,9 +1053,6 @@ class RunGuard:
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
         # One thread is fastest for networks this small (benchmarks/README.md); given back after.
-        # NumPy's matrix products (the NumPy path) take one too: the command line sets
-        # OPENBLAS_NUM_THREADS=1 before NumPy loads, since OpenBLAS's second thread spins while it
-        # waits, and beside any other work it made whole runs many times slower (benchmarks/).
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
@@ -1206,14 +1065,13 @@ class RunGuard:
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
             main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
-                                                  main.trainer.optimizer.lr)
+                                                  main.trainer.optimizer.param_groups[0]["lr"])
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
         self.log.start()  # the start-up block
         self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
         if main.config.compile:
             compile_learner(main)
-        use_numpy_on_cpu(main)
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
         return main.global_step
@@ -1221,6 +1079,7 @@ class RunGuard:
     def start_games(self) -> WorkerPool:  # game i of rank r is seeded with seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
         self.games = WorkerPool(self.config, self.obs_size, first_seed, self.device)
+        self.log.say(f"engine: {self.games.engine}")
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1339,6 +1198,8 @@ class RunLog:
             rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
             self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
                      f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+        self.say("learner: the lesson's torch code (Model, Trainer, compute_gae)"
+                 + (", torch.compile" if config.compile else ""))
         if config.compile:
             self.say("compiling the model and the update (torch.compile, once per run; this can "
                      "take a minute)...")
@@ -1363,7 +1224,8 @@ class RunLog:
             return
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        writer.add_scalar("charts/learning_rate",
+                          self.main.trainer.optimizer.param_groups[0]["lr"], step)
         speed = self.steady_speed()
         if speed is not None:
             writer.add_scalar("charts/steps_per_second", speed, step)
@@ -1462,9 +1324,21 @@ def load_weights(model: Model, weights: dict, config: Config):
                          f"{str(error).splitlines()[-1].strip()}") from None
 
 
+def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
+    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
+    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+    if "exp_avg" in saved:
+        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
+        state["param_groups"][0]["lr"] = float(saved["lr"])
+        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
+                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
+        saved = state
+    optimizer.load_state_dict(saved)
+
+
 def restore_learner(main: Main, state: dict):
     load_weights(main.model, state["model"], main.config)
-    main.trainer.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer(main.trainer.optimizer, state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
@@ -1615,6 +1489,8 @@ def check_settings(config: Config):
             raise UsageError(f"{flag} must be a finite number, not {value}")
         if rule is not None and value is not None and not RANGES[rule][0](value):
             raise UsageError(f"{flag} must be {RANGES[rule][1]}, not {value}")
+    if config.env_backend not in ("vector", "game"):
+        raise UsageError(f"unknown --env-backend {config.env_backend!r}: use vector or game")
     for flag in ("video", "greedy"):
         if getattr(config, flag) and not config.eval:
             raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")

@@ -71,7 +71,7 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
     assert result.returncode == 0, result.stderr
     resumed = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert resumed["global_step"] == 4096 and resumed["updates"] == 2
-    assert resumed["optimizer"]["steps"] == 2 * 8 * 2  # updates x epochs x minibatches: Adam went on counting
+    assert resumed["optimizer"]["state"][0]["step"] == 2 * 8 * 2  # updates x epochs x minibatches: Adam went on counting
 
     result = run_script("--eval", run_dir / "checkpoint.pt", "--eval-episodes", 3, "--video")
     assert result.returncode == 0, result.stderr

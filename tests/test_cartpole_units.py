@@ -1,6 +1,5 @@
 """ppo_cartpole.py, piece by piece, against values worked out by hand or by the reference library."""
 import math
-import types
 
 import gymnasium as gym
 import numpy as np
@@ -8,7 +7,6 @@ import pytest
 import torch
 
 import ppo_cartpole as pc
-from conftest import assert_numpy_learner_steps_as_the_lesson
 
 
 def gae(rewards, values, dones, last_value, gamma=0.9, lam=0.8):
@@ -141,23 +139,6 @@ def test_orthogonal_init_gains():
         assert (linear.bias == 0).all()
 
 
-def test_adam_matches_torch_optim_adam():
-    torch.manual_seed(0)
-    ours = [torch.randn(5, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
-    theirs = [p.detach().clone().requires_grad_() for p in ours]
-    adam = pc.Adam(ours, lr=1e-2, eps=1e-5)
-    reference = torch.optim.Adam(theirs, lr=1e-2, eps=1e-5)
-    for step in range(20):
-        grads = [torch.randn_like(p) for p in ours]
-        for p, q, g in zip(ours, theirs, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        adam.lr = reference.param_groups[0]["lr"] = 1e-2 * (1 - step / 20)  # annealed as in training
-        adam.step()
-        reference.step()
-    for p, q in zip(ours, theirs):
-        assert torch.allclose(p, q, atol=1e-6)
-
-
 def games_of(env_id, count, seed=0):
     """`count` Games as a Worker holds them (game i seeded with seed + i), and their observations."""
     games = [pc.Game(env_id, seed + i) for i in range(count)]
@@ -244,8 +225,7 @@ def test_cartpole_v0_keeps_its_time_limit():
 def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path):
     # TestCount-v0 is truncated after 3 steps, when its observation is [3]: one rollout of 7 steps
     main = pc.Main(pc.Config(env="TestCount-v0", num_envs=2, num_steps=7, total_timesteps=14,
-                             num_minibatches=1, update_epochs=1, run_dir=str(tmp_path),
-                             numpy_on_cpu=False))  # the lesson (the NumPy path: tests below)
+                             num_minibatches=1, update_epochs=1, run_dir=str(tmp_path)))
     values_of_final_obs = []
     value = pc.Model.value
 
@@ -285,88 +265,3 @@ def test_command_line_flags_come_from_config():
     config = pc.parse_config(["--env", "Acrobot-v1", "--num-envs", "8", "--no-anneal-lr", "--target-kl", "0.02"])
     assert (config.env, config.num_envs, config.anneal_lr, config.target_kl) == ("Acrobot-v1", 8, False, 0.02)
     assert pc.parse_config([]) == pc.Config()
-
-
-# ----- the NumPy path against the lesson's torch code ---------------------------------------------
-
-
-@pytest.mark.parametrize("dims,binary,clip_value_loss",
-                         [([2], False, False), ([3, 4], False, True), ([2, 2, 2], True, False)])
-def test_numpy_gradient_steps_match_autograd_and_adam(dims, binary, clip_value_loss):
-    torch.manual_seed(0)
-    config = pc.Config(clip_value_loss=clip_value_loss, ent_coef=0.01, max_grad_norm=0.1)
-    lesson_model = pc.Model(5, dims, binary)
-    torch.nn.init.normal_(lesson_model.actor[-1].weight, std=1.0)  # a policy far from uniform
-    n, obs = 64, torch.randn(64, 5)
-    with torch.no_grad():
-        actions, old_log_probs, old_values = lesson_model.act(obs)
-    # A player far from the learner: some ratios and values move beyond the clip range.
-    minibatch = pc.Minibatch(obs, actions, old_log_probs + 0.5 * torch.randn(n), torch.randn(n),
-                             torch.randn(n), old_values + 0.5 * torch.randn(n))
-    assert_numpy_learner_steps_as_the_lesson(pc, lesson_model, config, minibatch)
-
-
-@pytest.mark.parametrize("env,num_workers", [("TestCount-v0", 0), ("TestGuessDims-v0", 0),
-                                             ("TestCopyBits-v0", 0), ("CartPole-v1", 2)])
-def test_the_numpy_path_plays_and_learns_as_the_lesson(env, num_workers, tmp_path, monkeypatch):
-    # Two rollouts of 32 steps in 4 games, two epochs of two minibatches after each; TestCount-v0's
-    # time limit cuts every game at its third step (rewards bootstrapped), the others end at once
-    # (MultiDiscrete with padded choices, MultiBinary), CartPole's poles play in 2 child processes.
-    settings = dict(env=env, num_envs=4, num_workers=num_workers, num_steps=32, num_minibatches=2,
-                    update_epochs=2, total_timesteps=256, ent_coef=0.01, device="cpu")
-    numpy_main = pc.Main(pc.Config(run_dir=str(tmp_path / "numpy"), **settings))
-    numpy_summary = numpy_main.run()
-    assert isinstance(numpy_main.collect_rollout.__self__, pc.NumpyPlayer)
-    assert isinstance(numpy_main.trainer.gradient_step.__self__, pc.NumpyLearner)
-    # The NumPy path draws an action by inverting the distribution function at a uniform number,
-    # a rollout's numbers at once; the lesson's torch.multinomial is given the same numbers.
-    steps, calls, block = settings["num_steps"], [], None
-
-    def rollout_draws(probs, count):  # step t of a rollout: row t of one draw for the rollout
-        nonlocal block
-        calls.append(len(calls) % steps)
-        if calls[-1] == 0:
-            block = torch.rand(steps, *numpy_main.rollout.actions.shape[1:])
-        return (probs.cumsum(-1) <= block[calls[-1]].reshape(-1, 1)).sum(-1, keepdim=True)
-
-    monkeypatch.setattr(torch, "multinomial", rollout_draws)
-    lesson_main = pc.Main(pc.Config(run_dir=str(tmp_path / "lesson"), numpy_on_cpu=False,
-                                    **settings))
-    lesson_summary = lesson_main.run()
-    assert len(calls) == 64
-    assert numpy_summary["episodes"] == lesson_summary["episodes"] > 0
-    assert numpy_summary["mean_return_100"] == pytest.approx(lesson_summary["mean_return_100"])
-    for name in ("obs", "actions", "log_probs", "values", "rewards", "dones"):
-        torch.testing.assert_close(getattr(numpy_main.rollout, name),
-                                   getattr(lesson_main.rollout, name), rtol=1e-4, atol=1e-5)
-    if env == "TestCount-v0":  # the cuts, their rewards bootstrapped in both
-        assert numpy_main.rollout.dones[0].all() and (numpy_main.rollout.rewards[0] != 1).all()
-    for name, param in lesson_main.model.named_parameters():
-        torch.testing.assert_close(numpy_main.model.state_dict()[name], param, rtol=1e-4,
-                                   atol=1e-5)
-
-
-def test_the_numpy_path_draws_actions_with_the_policy_probabilities(tmp_path):
-    main = pc.Main(pc.Config(env="TestGuessDims-v0", num_envs=500, num_steps=8,
-                             total_timesteps=4000, run_dir=str(tmp_path)))
-    main.guard = types.SimpleNamespace(stop_at_once=lambda: False, steps_per_step=500,
-                                       after_rollout=lambda ended: None)
-    main.model = pc.Model(7, [3, 4], False)
-    with torch.no_grad():  # the same policy for every observation: known probabilities
-        main.model.actor[-1].weight.zero_()
-        main.model.actor[-1].bias.copy_(torch.log(torch.tensor([0.2, 0.3, 0.5, 1.0,
-                                                                0.1, 0.2, 0.3, 0.4])))
-    main.rollout = pc.Rollout(main.config, 7, 2, torch.device("cpu"))
-    main.games = pc.WorkerPool(main.config, 7, 0, torch.device("cpu"))
-    main.global_step = 0
-    try:
-        pc.NumpyPlayer(main).collect_rollout(main.games.observations())
-    finally:
-        main.games.close()
-    actions = main.rollout.actions.flatten(0, 1)
-    for dim, expected in enumerate([[0.2, 0.3, 0.5], [0.1, 0.2, 0.3, 0.4]]):
-        frequencies = torch.bincount(actions[:, dim], minlength=len(expected)).float() / 4000
-        assert torch.allclose(frequencies, torch.tensor(expected), atol=0.025)
-    # the stored log-probabilities are the chosen actions' under the policy
-    log_prob, _, _ = main.model.evaluate_actions(main.rollout.obs.flatten(0, 1), actions)
-    torch.testing.assert_close(main.rollout.log_probs.flatten(), log_prob.detach())
