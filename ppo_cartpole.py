@@ -22,7 +22,6 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
-import random
 import sys
 import time
 import typing
@@ -433,44 +432,40 @@ class Trainer:
 
 class Run:
     """The plain run that `Main.train` talks to: seeds, the device, the env's sizes, the games (one
-    Worker), a progress line per update and the summary; all the lesson needs to train. Below the
-    banner, `RunGuard` extends it: Ctrl-C, checkpoints, the non-finite guard, torchrun, logging,
-    summary.json and the fast engines."""
+    Worker), a progress line per update and the summary: all the lesson needs to train. Below the
+    banner, `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard, torchrun,
+    logging, summary.json and the fast engines."""
 
     def __init__(self, main: "Main"):
         self.main, self.config, self.games, self.summary = main, main.config, None, None
         self.returns, self.updates, self.solved_step = deque(maxlen=100), 0, None
 
     def __enter__(self) -> "Run":
-        """Seed every random draw, pick the device, read the sizes the Model needs."""
+        """Seed torch's draws (sampling, shuffling), pick the device, read the Model's sizes."""
         config, self.start_time = self.config, time.perf_counter()
-        random.seed(config.seed)
-        np.random.seed(config.seed)
         torch.manual_seed(config.seed)
-        self.device = torch.device("cuda" if config.device != "cpu"
-                                   and torch.cuda.is_available() else "cpu")
+        use_cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if use_cuda else "cpu")
         game = Game(config.env, config.seed)
         self.obs_size, self.action_dims, self.binary = game.sizes()
         game.close()
         self.steps_per_step = config.num_envs  # environment steps per step of the loop
         return self
 
-    def prepare_learner(self) -> int:  # the step to start from (the machinery's: --resume's)
-        return 0
+    # What the machinery does here: the step to start from (--resume's), whether to end the
+    # rollout at once (Ctrl-C), the mean of a number over the processes that train (torchrun).
+    prepare_learner = lambda self: 0
+    stop_at_once = lambda self: False
+    mean = lambda self, value: value
 
-    def start_games(self) -> Worker:  # all games in one Worker, game i seeded with seed + i
+    def start_games(self) -> Worker:
+        """All the games in one Worker, game i seeded with seed + i."""
         obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
         self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
         return self.games
 
-    def stop_at_once(self) -> bool:  # end the rollout now? (the machinery's Ctrl-C)
-        return False
-
-    def mean(self, value: float) -> float:  # the mean over torchrun's processes: one here
-        return value
-
     def after_rollout(self, ended: list):
-        """Record the returns of the episodes that ended, as (global step, episode); the target."""
+        """Record the (global step, episode) of the episodes that ended; note the target."""
         target = self.config.target_return
         for step, episode in ended:
             self.returns.append(episode["return"])
@@ -478,11 +473,11 @@ class Run:
                     and np.mean(self.returns) >= target):
                 self.solved_step = step
 
-    def after_update(self, stats: dict):  # a progress line
-        self.updates += 1
-        speed = self.main.global_step / (time.perf_counter() - self.start_time)
-        print(f"step {self.main.global_step:,} | {speed:,.0f} steps/s | return "
-              f"{np.mean(self.returns) if self.returns else '-'} | updates {self.updates}")
+    def after_update(self, stats: dict):
+        """A progress line: the step, the speed, the mean return of the last 100 episodes."""
+        self.updates, step = self.updates + 1, self.main.global_step
+        speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
+        print(f"step {step:,} | {speed:,.0f} steps/s | return {mean:.1f} | updates {self.updates}")
 
     def __exit__(self, kind, error, traceback) -> bool:
         """Close the games and keep the summary; an error goes on up."""
@@ -615,6 +610,7 @@ import json
 import logging
 import multiprocessing.connection
 import os
+import random
 import signal
 import threading
 from multiprocessing import shared_memory
