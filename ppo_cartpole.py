@@ -7,9 +7,8 @@ The idea. Policy gradient improves a policy with games it just played, and can u
 them only once: afterwards the policy has changed. PPO reuses each batch ("rollout") for several
 epochs of minibatch steps, and keeps the new policy near the one that played by clipping the
 probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t) (`Trainer.ppo_loss` derives it):
-L_clip = mean_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t). The advantage A_t, how much
-better action a_t did than the value V(s_t) expected, comes from the rewards r_t by Generalized
-Advantage Estimation (`compute_gae` derives it).
+L_clip = mean_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t). The advantage A_t (how much
+better a_t did than the value V(s_t) expected) comes from the rewards r_t by GAE (`compute_gae`).
 
 Run it:         python ppo_cartpole.py            (CartPole-v1; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_cartpole.py   (data parallel: `Ranks`)
@@ -22,7 +21,6 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
-import sys
 import time
 import typing
 from collections import deque
@@ -75,8 +73,7 @@ class Config:
     greedy: bool = option(False, "with --eval, take the most likely action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than solving CartPole)")
-    env_backend: str = option("vector", "vector (gymnasium's vector engine where the env has one, "
-                              "CartPole-v1) | game (the lesson's Game in Workers)")
+    env_backend: str = option("vector", "vector (gymnasium's CartPole) | game (the lesson's Game)")
 
 
 def parse_config(argv=None) -> Config:
@@ -109,6 +106,7 @@ def parse_config(argv=None) -> Config:
 if __name__ == "__main__" and "__file__" in globals():
     parse_config()  # --help and a mistyped flag answer here; `command_line` (the end) runs it all
 
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -116,50 +114,42 @@ import torch.nn as nn
 
 
 class Game:
-    """One gymnasium env as PPO sees it: flat float32 observations, an action as one index per
-    dimension from 0. An ended episode restarts in the same step: `step` returns the next one's
-    first observation, and in `info` the ended one's last ("final_obs", to bootstrap from if a time
-    limit cut it) and its return and length ("episode")."""
+    """One gymnasium env as PPO sees it: flat float32 observations, an action as an index per
+    dimension from 0. An ended episode restarts in the same step: `step` returns the new one's first
+    observation; in `info`, the ended one's last ("final_obs") and return and length ("episode")."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        # (render_mode only when asked for: an env that cannot draw need not accept it)
         self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
-        self.seed, self.action_space = seed, self.env.action_space
-        self.episode_return, self.episode_length = 0.0, 0
-        self.render, self.close = self.env.render, self.env.close  # (--video draws the env)
+        self.seed, self.action_space, self.close = seed, self.env.action_space, self.env.close
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the env's own random stream.
-        obs, _ = self.env.reset(seed=self.seed)
+        obs, _ = self.env.reset(seed=self.seed)  # seeded once; restarts continue its stream
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0
         return np.asarray(obs, dtype=np.float32).reshape(-1)
 
     def sizes(self) -> tuple:
         """What the Model is built for: (observation size, choices per action dimension, binary)."""
-        space = self.action_space
+        space, obs_size = self.action_space, int(np.prod(self.env.observation_space.shape))
         if isinstance(space, gym.spaces.Discrete):
-            return int(np.prod(self.env.observation_space.shape)), [int(space.n)], False
-        binary = isinstance(space, gym.spaces.MultiBinary)
+            return obs_size, [int(space.n)], False
+        binary = isinstance(space, gym.spaces.MultiBinary)  # else MultiDiscrete
         dims = [2] * int(np.prod(space.shape)) if binary else [int(n) for n in space.nvec.flat]
-        return int(np.prod(self.env.observation_space.shape)), dims, binary
+        return obs_size, dims, binary
 
-    def env_action(self, action: np.ndarray):
-        space = self.action_space
-        if isinstance(space, gym.spaces.Discrete):
+    def env_action(self, action: np.ndarray):  # counted from the space's `start` (if it has one)
+        if isinstance(space := self.action_space, gym.spaces.Discrete):
             return action[0] + space.start
-        # MultiDiscrete (counted from its `start`) or MultiBinary
         return (action.reshape(space.shape) + getattr(space, "start", 0)).astype(space.dtype)
 
     def step(self, action: np.ndarray):
         obs, reward, terminated, truncated, _ = self.env.step(self.env_action(action))
         self.episode_return += float(reward)
         self.episode_length += 1
-        info = {}
+        obs, info = np.asarray(obs, dtype=np.float32).reshape(-1), {}
         if terminated or truncated:
-            info["final_obs"] = np.asarray(obs, dtype=np.float32).reshape(-1)
-            info["episode"] = {"return": self.episode_return, "length": self.episode_length}
-            obs = self.reset()
-        return np.asarray(obs, dtype=np.float32).reshape(-1), reward, terminated, truncated, info
+            ended = {"return": self.episode_return, "length": self.episode_length}
+            info, obs = {"final_obs": obs, "episode": ended}, self.reset()
+        return obs, reward, terminated, truncated, info
 
 
 class StepResult(typing.NamedTuple):
@@ -173,9 +163,8 @@ class StepResult(typing.NamedTuple):
 
 
 class Worker:
-    """Runs several Games in a child process, so that games play on several cores. The trainer
-    sends actions through a pipe; the child answers with rewards, flags and ended episodes.
-    Observations, the one large array, skip the pipe: they go into shared memory (`obs_view`)."""
+    """Plays several Games in a child process (on a core of its own): actions go down a pipe, the
+    rest comes back; observations, the one large array, skip the pipe (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -194,10 +183,10 @@ class Worker:
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game (observations into `obs_out`): rewards, end flags, ended episodes."""
-        rewards = np.zeros(len(games), dtype=np.float32)
+        """Step each Game (observations into obs_out): rewards, terminated (the pole fell) and
+        truncated (a time limit cut it), and by game index: final_obs and episode of ended ones."""
+        rewards, final_obs, episodes = np.zeros(len(games), dtype=np.float32), {}, {}
         terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
-        final_obs, episodes = {}, {}
         for i, game in enumerate(games):
             obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(actions[i])
             if "episode" in info:
@@ -210,18 +199,15 @@ class Worker:
         while (command := conn.recv())[0] == "step":
             conn.send(("ok", self.step_games(games, command[1], obs_view)))
 
-    def step(self, actions: np.ndarray) -> StepResult:  # the games' step, as WorkerPool's
-        self.send_step(actions)
+    def step(self, actions: np.ndarray) -> StepResult:  # step_games' answer, from the child
+        self.trainer_end.send(("step", actions))
         return StepResult(*self.receive())
+
+    def receive(self) -> tuple:  # the child's answer (observations: in obs_view)
+        return self.trainer_end.recv()[1]
 
     def observations(self) -> torch.Tensor:  # the Games' current observations (shared memory)
         return torch.from_numpy(self.obs_view)
-
-    def send_step(self, actions: np.ndarray):
-        self.trainer_end.send(("step", actions))
-
-    def receive(self) -> tuple:  # the last send_step's result; observations are in obs_view
-        return self.trainer_end.recv()[1]
 
     def close(self):
         self.trainer_end.send(("close", None))
@@ -246,17 +232,14 @@ class Model(nn.Module):
 
     def __init__(self, obs_size: int, action_dims: list, binary: bool, hidden_size: int = 64):
         super().__init__()
-        self.action_dims, self.binary = list(action_dims), binary
-        self.num_choices = max(self.action_dims)
+        self.action_dims, self.binary, self.num_choices = action_dims, binary, max(action_dims)
         outputs = len(self.action_dims) if binary else len(self.action_dims) * self.num_choices
         mlp = lambda out_size, gain: nn.Sequential(  # two tanh hidden layers, then the output
             layer(obs_size, hidden_size), nn.Tanh(), layer(hidden_size, hidden_size), nn.Tanh(),
             layer(hidden_size, out_size, gain=gain))
         self.critic, self.actor = mlp(1, 1.0), mlp(outputs, 0.01)
-        padding = torch.zeros(len(self.action_dims), self.num_choices)
-        for dim, choices in enumerate(self.action_dims):
-            padding[dim, choices:] = -1e9
-        self.register_buffer("logit_padding", padding)
+        padding = [[0.0] * n + [-1e9] * (self.num_choices - n) for n in self.action_dims]
+        self.register_buffer("logit_padding", torch.tensor(padding))
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:  # V(s), [batch]
         return self.critic(obs).squeeze(-1)
@@ -270,17 +253,13 @@ class Model(nn.Module):
     def act(self, obs: torch.Tensor, greedy: bool = False):
         """Actions [batch, dims] for observations, their log-probabilities, the values."""
         log_probs = torch.log_softmax(self.logits(obs), dim=-1)
-        if greedy:
-            actions = log_probs.argmax(-1)
-        else:
-            choices = torch.multinomial(log_probs.exp().view(-1, self.num_choices), 1)
-            actions = choices.view(log_probs.shape[:-1])
+        actions = log_probs.argmax(-1) if greedy else torch.multinomial(  # a draw per dimension
+            log_probs.exp().view(-1, self.num_choices), 1).view(log_probs.shape[:-1])
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).sum((-1, -2))
         return actions, log_prob, self.value(obs)
 
     def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor):
-        """For the loss: the taken actions' log-probabilities under the current policy, the
-        policy's entropy and the values, all [batch]."""
+        """For the loss: log pi_theta of the taken actions, the policy's entropy, V; [batch]."""
         log_probs = torch.log_softmax(self.logits(obs), dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).sum((-1, -2))
         entropy = -(log_probs.exp() * log_probs).sum((-1, -2))
@@ -289,9 +268,7 @@ class Model(nn.Module):
 
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
     """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
-
-    rewards, values, dones: [T, N] (time, env); last_value: [N], the value of the observation after
-    the last step. Returns the advantages [T, N]; the value targets are advantages + values.
+    rewards, values, dones: [T, N] (time, env); last_value: [N], V(s_T). The advantages: [T, N].
 
     The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
     expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
@@ -312,14 +289,12 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     `dones[t]` means "obs[t] starts a new episode", one step later; the advantages are the same.)
     """
     advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros_like(last_value)
-    next_value = last_value
+    next_advantage, next_value = torch.zeros_like(last_value), last_value
     for t in reversed(range(rewards.shape[0])):
         not_done = 1.0 - dones[t]
         delta = rewards[t] + gamma * next_value * not_done - values[t]
         next_advantage = delta + gamma * gae_lambda * not_done * next_advantage
-        advantages[t] = next_advantage
-        next_value = values[t]
+        advantages[t], next_value = next_advantage, values[t]
     return advantages
 
 
@@ -382,27 +357,21 @@ class Trainer:
         """
         advantages = minibatch.advantages  # normalised per minibatch (37 details, #7)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-
         # The clipped surrogate (37 details, #8), negated: the max of the negations is the min.
         log_ratio = new_log_probs - minibatch.old_log_probs
         ratio = log_ratio.exp()
         clipped_ratio = ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)
         policy_loss = torch.max(-advantages * ratio, -advantages * clipped_ratio).mean()
-
-        # Value loss (37 details, #9): squared error to the GAE returns, optionally clipped around
-        # the rollout's values like the policy (off here: CartPole's returns outgrow the clip).
+        # Value loss (37 details, #9): squared error to the returns, optionally clipped like rho_t.
         returns, old_values, clip = minibatch.returns, minibatch.old_values, config.clip_coef
+        squared_error = (new_values - returns) ** 2
         if config.clip_value_loss:
             clipped = old_values + (new_values - old_values).clamp(-clip, clip)
-            value_loss = 0.5 * torch.max((new_values - returns) ** 2,
-                                         (clipped - returns) ** 2).mean()
-        else:
-            value_loss = 0.5 * ((new_values - returns) ** 2).mean()
-
+            squared_error = torch.max(squared_error, (clipped - returns) ** 2)
+        value_loss = 0.5 * squared_error.mean()
         # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-
         # Diagnostics (37 details, #12): approx KL by the low-variance (rho - 1) - log rho
         # (Schulman, "Approximating KL divergence", 2020), and the share the clip touched.
         with torch.no_grad():
@@ -417,8 +386,7 @@ class Trainer:
         return self.ppo_loss(minibatch, *evaluated, self.config)
 
     def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
-        global norm clip, Adam. Returns the diagnostics as tensors."""
+        """Loss, backward, the ranks' mean gradient (torchrun), norm clip, Adam; the diagnostics."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -431,10 +399,8 @@ class Trainer:
 
 
 class Run:
-    """The plain run that `Main.train` talks to: seeds, the device, the env's sizes, the games (one
-    Worker), a progress line per update and the summary: all the lesson needs to train. Below the
-    banner, `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard, torchrun,
-    logging, summary.json and the fast engines."""
+    """The plain run `Main.train` talks to: seeds, device, sizes, the games, progress, summary.
+    `RunGuard`, below the banner, extends it: Ctrl-C, checkpoints, NaN guard, torchrun, engines."""
 
     def __init__(self, main: "Main"):
         self.main, self.config, self.games, self.summary = main, main.config, None, None
@@ -444,19 +410,16 @@ class Run:
         """Seed torch's draws (sampling, shuffling), pick the device, read the Model's sizes."""
         config, self.start_time = self.config, time.perf_counter()
         torch.manual_seed(config.seed)
-        use_cuda = config.device != "cpu" and torch.cuda.is_available()
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device, self.steps_per_step = torch.device("cuda" if cuda else "cpu"), config.num_envs
         game = Game(config.env, config.seed)
         self.obs_size, self.action_dims, self.binary = game.sizes()
         game.close()
-        self.steps_per_step = config.num_envs  # environment steps per step of the loop
         return self
 
-    # What the machinery does here: the step to start from (--resume's), whether to end the
-    # rollout at once (Ctrl-C), the mean of a number over the processes that train (torchrun).
-    prepare_learner = lambda self: 0
-    stop_at_once = lambda self: False
-    mean = lambda self, value: value
+    prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
+    stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
+    mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
 
     def start_games(self) -> Worker:
         """All the games in one Worker, game i seeded with seed + i."""
@@ -479,14 +442,13 @@ class Run:
         speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
         print(f"step {step:,} | {speed:,.0f} steps/s | return {mean:.1f} | updates {self.updates}")
 
-    def __exit__(self, kind, error, traceback) -> bool:
+    def __exit__(self, kind, error, traceback):
         """Close the games and keep the summary; an error goes on up."""
         if self.games is not None:
             self.games.close()
         self.summary = {"script": SCRIPT, "env": self.config.env, "steps": self.main.global_step,
                         "mean_return_100": float(np.mean(self.returns)) if self.returns else None,
                         "solved_step": self.solved_step}
-        return False
 
     @staticmethod
     def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
@@ -495,17 +457,13 @@ class Run:
 
 class Main:
     """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
-    One iteration (37 details, #6): play num_steps steps in each of num_envs games, estimate each
-    step's advantage with GAE, then take update_epochs passes over the rollout in minibatches."""
+    One iteration (37 details, #6): num_steps steps in every game, GAE, update_epochs passes."""
 
     def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
         self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
-        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
-        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
-        # Cut at the banner, the lesson runs with Run alone.
+        # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
         run_class = globals().get("RunGuard", Run)
         return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
@@ -540,8 +498,7 @@ class Main:
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
         """Play num_steps steps in every game, filling the rollout; returns the next observation."""
-        config, rollout, device = self.config, self.rollout, self.guard.device
-        ended = []  # (global step, statistics) of the episodes that end
+        config, rollout, device, ended = self.config, self.rollout, self.guard.device, []
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C
                 break
@@ -564,13 +521,12 @@ class Main:
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
         return next_obs
 
+    @torch.no_grad()
     def estimate_advantages(self, next_obs: torch.Tensor):
         """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
-        with torch.no_grad():
-            last_value = self.model.value(next_obs)
-        rollout = self.rollout
-        advantages = compute_gae(rollout.rewards, rollout.values, rollout.dones, last_value,
-                                 self.config.gamma, self.config.gae_lambda)
+        rollout, config = self.rollout, self.config
+        advantages = compute_gae(rollout.rewards, rollout.values, rollout.dones,
+                                 self.model.value(next_obs), config.gamma, config.gae_lambda)
         return advantages, advantages + rollout.values
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
@@ -594,7 +550,6 @@ class Main:
         stats["explained_variance"] = 0.0 if variance == 0 else 1 - unexplained / variance
         return stats
 
-
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
@@ -612,6 +567,7 @@ import multiprocessing.connection
 import os
 import random
 import signal
+import sys
 import threading
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -704,7 +660,7 @@ class GuardedWorker(Worker):
 
     def send_step(self, actions: np.ndarray):
         with contextlib.suppress(OSError):  # a child that is gone: receive() says how
-            super().send_step(actions)
+            self.trainer_end.send(("step", actions))
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
@@ -1453,7 +1409,7 @@ def write_frame(video, game: Game, path: Path):
     # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    frame = game.render()
+    frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fps = game.env.metadata.get("render_fps", 30)
@@ -1519,11 +1475,11 @@ def inspect_env(env_id: str):
                 else "; see gymnasium.pprint_registry()")
         raise UsageError(f"unknown env {env_id!r}{hint}")
     try:
-        env = gym.make(env_id)
+        game = Game(env_id, seed=0)
     except Exception as error:
         raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
-    obs_space, action_space = env.observation_space, env.action_space
-    env.close()
+    obs_space, action_space = game.env.observation_space, game.action_space
+    game.close()
     kind = type(obs_space).__name__
     if not isinstance(obs_space, gym.spaces.Box):
         raise UsageError(f"{env_id} has a {kind} observation space; " + (
@@ -1532,13 +1488,9 @@ def inspect_env(env_id: str):
     if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
         raise UsageError(f"{env_id} observes images {obs_space.shape}; use ppo_spaces.py (a CNN "
                          f"sized to the image) or, for Atari, ppo_atari.py")
-    obs_size = int(np.prod(obs_space.shape))
-    if isinstance(action_space, gym.spaces.Discrete):
-        return obs_size, [int(action_space.n)], False
-    if isinstance(action_space, gym.spaces.MultiDiscrete):
-        return obs_size, [int(n) for n in action_space.nvec.reshape(-1)], False
-    if isinstance(action_space, gym.spaces.MultiBinary):
-        return obs_size, [2] * int(np.prod(action_space.shape)), True
+    if isinstance(action_space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete,
+                                 gym.spaces.MultiBinary)):
+        return game.sizes()  # the lesson's reading of the spaces
     if isinstance(action_space, gym.spaces.Box):
         raise UsageError(f"{env_id} has a {action_space} action space (continuous): use "
                          f"ppo_continuous.py, which has a Gaussian policy")

@@ -32,7 +32,7 @@ LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute
           "Rollout", "Trainer", "Main"]
 MAIN_METHODS = ["__init__", "run", "train", "anneal_learning_rate", "collect_rollout",
                 "estimate_advantages", "learn"]
-MACHINERY = ["GuardedWorker", "InProcessWorker", "StepResult", "WorkerPool", "compile_learner",
+MACHINERY = ["GuardedWorker", "InProcessWorker", "WorkerPool", "compile_learner",
              "Ranks", "RunGuard", "RunLog", "learner_state", "restore_learner",
              "continued_schedule", "save_checkpoint", "find_checkpoint", "load_checkpoint",
              "resumed_config", "evaluate_checkpoint", "check_settings", "inspect_env",
