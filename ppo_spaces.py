@@ -23,8 +23,11 @@ import difflib
 import functools
 import math
 import multiprocessing
+import random
 import sys
+import time
 import typing
+from collections import deque
 from typing import Optional
 
 SCRIPT = "ppo_spaces"
@@ -234,16 +237,18 @@ class Worker:
     def receive(self) -> list:  # the last send_step's (reward, terminated, truncated, info) by game
         return self.trainer_end.recv()[1]
 
+    def close(self):
+        self.trainer_end.send(("close", None))  # (any command but "step" ends the child's loop)
+        self.process.join()
 
-def layer(in_size: int, out_size: int, gain: float = math.sqrt(2), kernel_size: int = 0,
-          stride: int = 1) -> nn.Module:
-    """A linear layer (a convolution, given a kernel size), orthogonal weights, zero biases (37
-    details, #2: gain sqrt(2) in the body; 0.01 for the policy: all actions start alike; 1: V)."""
-    module = (nn.Conv2d(in_size, out_size, kernel_size, stride) if kernel_size
-              else nn.Linear(in_size, out_size))
-    nn.init.orthogonal_(module.weight, gain)
-    nn.init.zeros_(module.bias)
-    return module
+
+def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
+    """A linear layer, orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2)
+    in the body; 0.01 for the policy, all actions starting alike; 1 for V)."""
+    linear = nn.Linear(in_size, out_size)
+    nn.init.orthogonal_(linear.weight, gain)
+    nn.init.zeros_(linear.bias)
+    return linear
 
 
 class OneHot(nn.Module):
@@ -275,7 +280,10 @@ class ImageEncoder(nn.Module):
             if min(sides) < 3:
                 break
             stride = 2 if min(sides) >= 16 else 1
-            layers += [layer(channels, out_channels, kernel_size=3, stride=stride), nn.ReLU()]
+            conv = nn.Conv2d(channels, out_channels, 3, stride)  # initialised as `layer` does
+            nn.init.orthogonal_(conv.weight, math.sqrt(2))
+            nn.init.zeros_(conv.bias)
+            layers += [conv, nn.ReLU()]
             channels, sides = out_channels, [(side - 3) // stride + 1 for side in sides]
         self.cnn = nn.Sequential(*layers, nn.Flatten(),
                                  layer(channels * sides[0] * sides[1], hidden_size), nn.ReLU())
@@ -346,16 +354,59 @@ class ActionHead(nn.Module):
         return torch.distributions.Categorical(logits=logits, validate_args=False)
 
 
+class RunningMeanStd(nn.Module):
+    """The count, mean and variance of the numbers seen so far in some columns of the observations
+    (the Box vectors'), kept without the numbers, to normalise them as CleanRL and SB3 do
+    (continuous #6-#7): float64 buffers of the Model (`obs_stats`), part of the policy, saved with
+    it. Each step's observations merge in as they come, by Chan, Golub and LeVeque's formula
+    (1979), exact for any split (n = n_a + n_b, delta = mean_b - mean_a):
+        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
+    From count 1e-4, mean 0, variance 1, as theirs (a safe first division). Inactive: a no-op."""
+
+    def __init__(self, columns: list, clip: float = 10.0, active: bool = True):
+        super().__init__()
+        self.clip, self.active = clip, active and len(columns) > 0
+        self.register_buffer("columns", torch.tensor(columns, dtype=torch.long), persistent=False)
+        self.register_buffer("mean", torch.zeros(len(columns), dtype=torch.float64))
+        self.register_buffer("var", torch.ones(len(columns), dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
+
+    def merge(self, count: float, mean: torch.Tensor, var: torch.Tensor):  # a batch's, in place
+        old_count = self.count.item()
+        total, delta = old_count + count, mean - self.mean
+        self.var.mul_(old_count / total).add_(var, alpha=count / total)
+        self.var.add_(delta.square(), alpha=old_count * count / total ** 2)
+        self.mean.add_(delta, alpha=count / total)
+        self.count.fill_(total)
+
+    def normalize(self, obs: torch.Tensor, update: bool = True) -> torch.Tensor:
+        """(x - mean) / std in its columns, clipped to +-clip (continuous #7); `update`: this
+        batch merged in first."""
+        if not self.active:
+            return obs
+        numbers = obs[:, self.columns].to(torch.float64)
+        if update:
+            var, mean = torch.var_mean(numbers, dim=0, correction=0)
+            self.merge(float(len(numbers)), mean, var)
+        obs = obs.clone()  # (not the games' array: they write the next observations into it)
+        obs[:, self.columns] = ((numbers - self.mean) / (self.var + 1e-8).sqrt()).clamp(
+            -self.clip, self.clip).to(obs.dtype)
+        return obs
+
+
 class Model(nn.Module):
     """The actor-critic for a nest of spaces: the observation's leaves encoded (`Encoder`), then
     separate policy and value MLPs, 64-64 tanh (37 details, #13), the policy's output split into one
     head per action leaf (`ActionHead`). Given the state, the leaves are drawn independently, so
     pi(a|s) is the product of the leaves' probabilities: its log, and the entropy, are sums over the
-    leaves (as over MultiDiscrete's dimensions, 37 details, #23)."""
+    leaves (as over MultiDiscrete's dimensions, 37 details, #23). It reads observations normalised
+    by its `obs_stats`."""
 
-    def __init__(self, obs_space, action_space, hidden_size: int = 64, masked: bool = False):
+    def __init__(self, obs_space, action_space, hidden_size: int = 64, masked: bool = False,
+                 normalize: bool = False, obs_clip: float = 10.0):
         super().__init__()
         self.encoder = Encoder(obs_space, hidden_size)
+        self.obs_stats = RunningMeanStd(self.encoder.vector_columns, obs_clip, active=normalize)
         self.names = ["/".join(map(str, path)) or "action" for path, _ in leaves(action_space)]
         self.heads = nn.ModuleList(ActionHead(space) for _, space in leaves(action_space))
         # The mask, the observation's last mask_size columns (stored with the step: the update
@@ -454,8 +505,8 @@ class Trainer:
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam with eps 1e-5, not 1e-8 (37 details, #3); `Adam` is torch.optim.Adam's arithmetic.
-        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3).
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -505,11 +556,12 @@ class Trainer:
                       "approx_kl": approx_kl, "clip_fraction": clip_fraction}
 
     def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
-        new_log_probs, entropy, new_values = self.model.evaluate_actions(minibatch.obs,
-                                                                         minibatch.actions)
-        return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
+        evaluated = self.model.evaluate_actions(minibatch.obs, minibatch.actions)  # log pi, H, V
+        return self.ppo_loss(minibatch, *evaluated, self.config)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
+    def gradient_step(self, minibatch: Minibatch) -> dict:
+        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
+        global norm clip, Adam. Returns the diagnostics as tensors."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -521,29 +573,158 @@ class Trainer:
         return stats
 
 
+class StepResult(typing.NamedTuple):
+    """What one step of all the games gives the trainer, besides the observations."""
+
+    rewards: np.ndarray  # [num_envs]
+    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game
+    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
+    final_obs: dict  # env index -> the last observation (as Game gives it) of its episode
+    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
+
+
+def packed(actions: dict) -> np.ndarray:
+    """The actions (leaf name -> [num_envs, width]) as one float32 array [num_envs, sum of widths],
+    the leaves side by side in order: a row per env, as Game.env_action reads it."""
+    return torch.cat([action.float() for action in actions.values()], dim=-1).cpu().numpy()
+
+
+class WorkerPool:
+    """All num_envs Games, in max(num_workers, 1) Workers (child processes) of equal shares, their
+    observations in one [num_envs, obs_size] tensor in shared memory, a Worker writing its rows."""
+
+    def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
+        count, self.device = max(config.num_workers, 1), device
+        share, self.obs = config.num_envs // count, torch.zeros(config.num_envs, obs_size)
+        self.obs.share_memory_()  # the children write into it, the trainer reads it: no copies
+        self.workers = [Worker(i, config.env, first_seed + i * share,
+                               self.obs[i * share:(i + 1) * share].numpy()) for i in range(count)]
+
+    def observations(self) -> torch.Tensor:  # the games' current ones, on the training device
+        return self.obs.to(self.device)
+
+    def step(self, actions: dict) -> StepResult:
+        """Send all Workers their actions first, then collect: the children play in parallel."""
+        rows, share = packed(actions), len(self.obs) // len(self.workers)
+        for index, worker in enumerate(self.workers):
+            worker.send_step(rows[index * share:(index + 1) * share])
+        # (reward, terminated, truncated, info) of each game, in the order of the envs
+        steps = [step for worker in self.workers for step in worker.receive()]
+        rewards, terminated, truncated = (np.array([step[k] for step in steps], dtype)
+                                          for k, dtype in ((0, np.float32), (1, bool), (2, bool)))
+        ended = {i: info for i, (*_, info) in enumerate(steps) if "episode" in info}
+        return StepResult(rewards, terminated, truncated,
+                          {i: info["final_obs"] for i, info in ended.items()},
+                          {i: info["episode"] for i, info in ended.items()})
+
+    def close(self):
+        for worker in self.workers:
+            worker.close()
+
+
+class Run:
+    """The plain run `Main.train` talks to, a context manager: seeds, device, the env's sizes, the
+    games, a progress line, the summary. Below the banner `RunGuard` extends it with Ctrl-C,
+    checkpoints, the non-finite guard, torchrun, logging and the fast engines."""
+
+    solved_step: Optional[int] = None  # the step at which --target-return was reached
+    config = property(lambda self: self.main.config)
+
+    def __init__(self, main: "Main"):
+        self.main, self.games, self.summary = main, None, None
+
+    def __enter__(self) -> "Run":
+        config, self.start_time, self.returns = self.config, time.perf_counter(), deque(maxlen=100)
+        for seed in (random.seed, np.random.seed, torch.manual_seed):  # torch: sampling, shuffling
+            seed(config.seed)
+        cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if cuda else "cpu")
+        game = Game(config.env, config.seed)  # one env tells the sizes the Model needs
+        self.obs_size, self.masked = len(game.reset()), bool(game.mask_size) and config.action_mask
+        self.obs_space, self.action_space = game.env.observation_space, game.env.action_space
+        game.close()
+        self.steps_per_step, self.updates, self.episodes = config.num_envs, 0, 0
+        return self
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:
+        """--eval: the machinery's."""
+        raise NotImplementedError(
+            "--eval plays a checkpoint: the machinery below the banner does it")
+
+    def prepare_learner(self) -> int:
+        """Ready the new Model and Trainer to learn; returns the step to start from: 0."""
+        return 0
+
+    def start_games(self) -> WorkerPool:
+        """All num_envs Games, in Workers; game i seeded with config.seed + i."""
+        self.games = WorkerPool(self.config, self.obs_size, self.config.seed, self.device)
+        return self.games
+
+    def stop_at_once(self) -> bool:
+        """Whether to leave the rollout at once (on Ctrl-C, below): never."""
+        return False
+
+    def mean(self, value: float) -> float:
+        """The value's mean over the processes that train together (torchrun, below): itself."""
+        return value
+
+    def after_rollout(self, ended: list):
+        """Record the ended episodes' returns; note when the last 100's mean reaches the target."""
+        for step, episode in ended:
+            self.episodes, target = self.episodes + 1, self.config.target_return
+            self.returns.append(episode["return"])
+            if (target is not None and self.solved_step is None and len(self.returns) == 100
+                    and np.mean(self.returns) >= target):
+                self.solved_step = step
+
+    def after_update(self, stats: dict):
+        """Count the update and print a progress line."""
+        self.updates, step = self.updates + 1, self.main.global_step
+        mean = f"{np.mean(self.returns):.1f}" if self.returns else "-"
+        print(f"step {step:,} | {step / (time.perf_counter() - self.start_time):,.0f} steps/s | "
+              f"return {mean} | updates {self.updates}")
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        """Close the games and sum the run up in `summary`; an error goes on up."""
+        if self.games is not None:
+            self.games.close()
+        self.summary = {"script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
+                        "steps": getattr(self.main, "global_step", 0), "episodes": self.episodes,
+                        "seconds": round(time.perf_counter() - self.start_time, 3),
+                        "mean_return_100": float(np.mean(self.returns)) if self.returns else None,
+                        "solved_step": self.solved_step}
+        return False
+
+
 class Main:
     """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
     One iteration (37 details, #6): play num_steps steps in each of num_envs games, estimate each
     step's advantage with GAE, then take update_epochs passes over the rollout in minibatches."""
 
-    def __init__(self, config: Config):
-        self.config, self.guard = config, None
-        self.anneal_from = (0, config.learning_rate)  # (step, rate) where annealing starts
+    def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
+        self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        return evaluate_checkpoint(self.config) if self.config.eval else self.train()
+        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
+        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
+        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
+        # Cut at the banner, the lesson runs with Run alone.
+        run_class = globals().get("RunGuard", Run)
+        return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
-    def train(self) -> dict:
-        self.guard = RunGuard(self)  # settings, env check, seeds, Ctrl-C, failures, logging, saving
+    def train(self, run_class: type) -> dict:
+        self.guard = run_class(self)  # seeds, the games, the progress line, the summary
         with self.guard as guard:
-            config, env = self.config, guard.env  # (the checkpoint's settings, when resuming)
-            self.model = Model(env.obs_space, env.action_space, config.hidden_size, env.masked)
+            config = self.config  # (the checkpoint's settings, when resuming)
+            self.model = Model(guard.obs_space, guard.action_space, config.hidden_size,
+                               guard.masked, config.normalize_observations, config.obs_clip)
             self.trainer = Trainer(self.model.to(guard.device), config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # The games; their Box vectors normalised by running mean and std (continuous #6-#7).
             self.games = guard.start_games()
-            self.rollout = Rollout(config, env.obs_size, self.model, guard.device)
-            next_obs = self.games.observations()
+            self.rollout = Rollout(config, guard.obs_size, self.model, guard.device)
+            # Box vectors normalised by running mean and std (continuous #6-#7), as they come.
+            next_obs = self.model.obs_stats.normalize(self.games.observations())
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -559,7 +740,8 @@ class Main:
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
-            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
@@ -574,14 +756,15 @@ class Main:
             for name, action in actions.items():
                 rollout.actions[name][step] = action
             result = self.games.step(actions)
-            next_obs = self.games.observations()
             rewards = torch.from_numpy(result.rewards).to(device)
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
             # last reward gets gamma * V(final observation); then `dones` cuts GAE at both ends.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
-            if cut:
-                cut_obs = torch.stack([result.final_obs[i] for i in cut])
+            if cut:  # (normalised as the step's other observations, by the statistics so far)
+                cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
+                cut_obs = self.model.obs_stats.normalize(cut_obs.to(device), update=False)
                 rewards[cut] += config.gamma * self.model.value(cut_obs)
+            next_obs = self.model.obs_stats.normalize(self.games.observations())
             rollout.rewards[step] = rewards
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated).to(device)
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
@@ -621,10 +804,10 @@ class Main:
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up,
-# Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the input checks; the
-# command line.
+# A reader of PPO may stop here. What follows makes the lesson safe and scalable: the games guarded
+# and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging,
+# summary), which extend the lesson's plain `Run`; checkpoints; evaluation and video; the input
+# checks (the env's spec check among them); the command line.
 
 import copy
 import datetime
@@ -635,54 +818,15 @@ import json
 import logging
 import multiprocessing.connection
 import os
-import random
 import signal
 import threading
-import time
-from collections import deque
+import warnings
 from multiprocessing import shared_memory
 from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-# ----- Engines: the games, normalised and guarded -------------------------------------------------
-
-
-class RunningMeanStd:
-    """The count, mean and variance of the numbers seen so far in some columns of the observations
-    (the Box vectors'), kept without the numbers (float64), to normalise them as CleanRL and SB3 do
-    (continuous #6-#7): one set for all games, part of the policy (saved, frozen by --eval). A batch
-    merges in by Chan, Golub and LeVeque's formula (1979), exact for any split (n = n_a + n_b,
-    delta = mean_b - mean_a):
-        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
-    From count 1e-4, mean 0, variance 1, as theirs (a safe first division). Inactive: a no-op."""
-
-    def __init__(self, columns: list, device, active: bool = True):
-        self.columns, self.count = torch.tensor(columns, dtype=torch.long, device=device), 1e-4
-        self.active = active and len(columns) > 0
-        self.mean = torch.zeros(len(columns), dtype=torch.float64, device=device)
-        self.var = torch.ones(len(columns), dtype=torch.float64, device=device)
-
-    def merge(self, count: float, mean: torch.Tensor, var: torch.Tensor):  # in place
-        total = self.count + count
-        delta = mean - self.mean
-        self.var.mul_(self.count / total).add_(var, alpha=count / total)
-        self.var.add_(delta.square(), alpha=self.count * count / total ** 2)
-        self.mean.add_(delta, alpha=count / total)
-        self.count = total
-
-    def normalize(self, obs: torch.Tensor, clip: float, update: bool = True) -> torch.Tensor:
-        """(x - mean) / std in its columns, this batch included (`update`), clipped to +-clip."""
-        if not self.active:
-            return obs
-        numbers = obs[:, self.columns].to(torch.float64)
-        if update:
-            var, mean = torch.var_mean(numbers, dim=0, correction=0)
-            self.merge(float(len(numbers)), mean, var)
-        obs = obs.clone()  # (not the games' array: they write the next observations into it)
-        obs[:, self.columns] = ((numbers - self.mean) / (self.var + 1e-8).sqrt()).clamp(
-            -clip, clip).to(obs.dtype)
-        return obs
+# ----- The games, guarded -------------------------------------------------------------------------
 
 
 class GuardedWorker(Worker):
@@ -768,25 +912,13 @@ class InProcessWorker(Worker):
             game.env.close()
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
+class GuardedWorkerPool(WorkerPool):
+    """The WorkerPool made safe: GuardedWorkers (InProcessWorker's Games with --num-workers 0),
+    their observations in a shared-memory segment that no process outlives, the Workers started so
+    far closed if one fails to start."""
 
-    rewards: np.ndarray  # [num_envs]
-    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game
-    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
-    final_obs: dict  # env index -> the last observation (normalised, on the device) of its episode
-    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
-
-
-class WorkerPool:
-    """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
-    this process with --num-workers 0), their observations in one [num_envs, obs_size] array
-    (shared memory with child processes), read as a tensor, its Box vectors normalised."""
-
-    def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device,
-                 obs_stats: RunningMeanStd):
+    def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
         self.device, self.workers, self.shared_obs = device, [], None
-        self.obs_stats, self.obs_clip = obs_stats, config.obs_clip
         shape = (config.num_envs, obs_size)
         if config.num_workers == 0:
             self.obs_array = np.zeros(shape, dtype=np.float32)
@@ -794,105 +926,29 @@ class WorkerPool:
             self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
             self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
         worker_class = GuardedWorker if config.num_workers else InProcessWorker
-        games_per_worker = config.num_envs // max(config.num_workers, 1)
+        share = config.num_envs // max(config.num_workers, 1)
         try:
             for index in range(max(config.num_workers, 1)):
-                first = index * games_per_worker
-                worker = worker_class(index, config.env, first_seed + first,
-                                      self.obs_array[first:first + games_per_worker],
-                                      [w.trainer_end for w in self.workers if w.trainer_end])
-                worker.first = first
-                self.workers.append(worker)
+                self.workers.append(worker_class(
+                    index, config.env, first_seed + index * share,
+                    self.obs_array[index * share:(index + 1) * share],
+                    [w.trainer_end for w in self.workers if w.trainer_end]))
         except BaseException:
             self.close()  # the workers started so far
             raise
         if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
             self.shared_obs.unlink()
-        self.obs_tensor = torch.from_numpy(self.obs_array)
-
-    def observations(self) -> torch.Tensor:
-        """The games' current observations on the training device, normalised (the statistics
-        learn from them); without normalisation, no copy on the CPU."""
-        return self.obs_stats.normalize(self.obs_tensor.to(self.device), self.obs_clip)
-
-    def normalized(self, final_obs: dict) -> dict:
-        """The last observations of ended episodes as the policy sees them (statistics kept)."""
-        return {i: self.obs_stats.normalize(torch.from_numpy(obs).to(self.device)[None],
-                                            self.obs_clip, update=False)[0]
-                for i, obs in final_obs.items()}
-
-    def step(self, actions: dict) -> StepResult:
-        """Send all workers their actions first, then collect: the children run in parallel. An
-        env's action travels as one row of float32 numbers, its leaves' side by side (Game)."""
-        actions = packed(actions)
-        for worker in self.workers:
-            worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
-        # (reward, terminated, truncated, info) of each game, in the order of the envs
-        steps = [step for worker in self.workers for step in worker.receive()]
-        rewards, terminated, truncated = (np.array([step[k] for step in steps], dtype)
-                                          for k, dtype in ((0, np.float32), (1, bool), (2, bool)))
-        ended = {i: info for i, (*_, info) in enumerate(steps) if "episode" in info}
-        final_obs = {i: info["final_obs"] for i, info in ended.items()}
-        episodes = {i: info["episode"] for i, info in ended.items()}
-        return StepResult(rewards, terminated, truncated, self.normalized(final_obs), episodes)
+        self.obs = torch.from_numpy(self.obs_array)
 
     def close(self):
-        for worker in self.workers:
-            worker.close()
+        super().close()
         self.workers = []
         if self.shared_obs is not None:
-            self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
+            self.obs = self.obs_array = None  # drop the views before unmapping the memory
             self.shared_obs.close()
             self.shared_obs = None
 
-
-def packed(actions: dict) -> np.ndarray:
-    """The actions (leaf name -> [num_envs, width]) as one float32 array [num_envs, sum of widths],
-    the leaves side by side in order: a row per env, as Game.env_action reads it."""
-    return torch.cat([action.float() for action in actions.values()], dim=-1).cpu().numpy()
-
-# ----- Adam and compilation -----------------------------------------------------------------------
-
-
-class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
-    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
-    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
-
-    def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
-        self.steps += 1
-        # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
-        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(self.exp_avg_sq, beta2)
-        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
-        # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
-        denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
-        torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / (1 - beta1 ** self.steps)
-        torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "lr": self.lr, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, state: dict):
-        self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
-                               state["exp_avg"] + state["exp_avg_sq"]):
-            mine.copy_(saved)
+# ----- Compilation --------------------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -1044,19 +1100,22 @@ class Ranks:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-def merge_over_ranks(ranks: Ranks, stats: RunningMeanStd, before: dict):
+
+def merge_over_ranks(ranks: Ranks, stats: RunningMeanStd, weights: dict):
     """Under torchrun, after each rollout: every rank's share is what its statistics gained since
-    `before` (Chan's formula, inverted); all merge all shares into `before`, in rank order."""
+    the last update's `weights` (Chan's formula, inverted); all merge all shares into those, in
+    rank order."""
     if not ranks.distributed or not stats.active:
         return
-    old_count, count = float(before["count"]), stats.count
+    before = {key: weights[f"obs_stats.{key}"] for key in ("mean", "var", "count")}
+    old_count, count = float(before["count"]), stats.count.item()
     own = count - old_count
     own_mean = before["mean"] + (stats.mean - before["mean"]) * (count / own if own else 0.0)
     delta = own_mean - before["mean"]
     squares = (stats.var * count - before["var"] * old_count
                - delta.square() * old_count * own / count)
     own_var = squares / own if own else torch.zeros_like(squares)
-    load_statistics(stats, before)
+    stats.load_state_dict(before)
     for count, mean, var in ranks.gather((own, own_mean.cpu(), own_var.cpu())):
         stats.merge(count, mean.to(stats.mean.device), var.to(stats.var.device))
 
@@ -1082,21 +1141,24 @@ class NonFiniteLoss(RuntimeError):
 FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit status 1
 
 
-class RunGuard:
-    """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-    On entry: the settings, --resume's checkpoint, the env's spaces (checked), the ranks, the run
-    dir, the seeds. In the loop:
-    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
-    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
-    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
+class RunGuard(Run):
+    """The lesson's Run made safe. On entry: the settings, --resume's checkpoint, the env's spaces
+    (checked), the ranks, the run dir, the seeds. In the loop: Ctrl-C, checkpoints, non-finite
+    losses; its RunLog tells what happens. On exit, however the run ended: the games closed, the
+    last checkpoint and the summary saved (a failure raised again afterwards), signal handlers and
+    torch's threads given back, so a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        self.main, self.stop_signal, self.previous_handlers = main, None, {}
+        super().__init__(main)
+        self.stop_signal, self.previous_handlers = None, {}
         self.previous_threads = torch.get_num_threads()
-        self.ranks = self.games = self.log = self.summary = None
+        self.ranks = self.log = None
 
-    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:
+        return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
         if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
@@ -1117,6 +1179,7 @@ class RunGuard:
         config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
         check_settings(config)
         self.env = inspect_env(config)  # its spaces (checked), its mask
+        self.obs_space, self.action_space, self.obs_size, self.masked = self.env[:4]
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
         self.device = self.ranks.device
@@ -1140,12 +1203,10 @@ class RunGuard:
         and compile (--compile). Returns the global step to start from."""
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
-        self.obs_stats = RunningMeanStd(main.model.encoder.vector_columns, self.device,
-                                        active=main.config.normalize_observations)
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
             main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
-                                                  main.trainer.optimizer.lr)
+                                                  main.trainer.optimizer.param_groups[0]["lr"])
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
         self.log.start()  # the start-up block
@@ -1158,8 +1219,7 @@ class RunGuard:
 
     def start_games(self) -> WorkerPool:  # game i of rank r is seeded with seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        self.games = WorkerPool(self.config, self.env.obs_size, first_seed, self.device,
-                                self.obs_stats)
+        self.games = GuardedWorkerPool(self.config, self.obs_size, first_seed, self.device)
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1173,7 +1233,7 @@ class RunGuard:
         torchrun the ranks meet here once per rollout: they merge their running statistics, and
         each learns every rank's episodes, in the same order (by step, then rank), and whether any
         was asked to stop."""
-        merge_over_ranks(self.ranks, self.obs_stats, self.last_good_learner["normalizer"]["obs"])
+        merge_over_ranks(self.ranks, self.main.model.obs_stats, self.last_good_learner["model"])
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1212,8 +1272,7 @@ class RunGuard:
                 restore_learner(self.main, self.last_good_learner)
             if failure is None:  # all ranks are here together: check they trained the same network
                 try:
-                    self.ranks.check_same([*self.main.model.state_dict().values(),
-                                           self.obs_stats.mean])
+                    self.ranks.check_same(self.main.model.state_dict().values())
                 except RankError as mismatch:
                     failure = mismatch
             save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
@@ -1270,6 +1329,12 @@ class RunLog:
                    if self.last_step != config.total_timesteps else "")
         self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
                  f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
+        self.say("learner: the lesson's torch code (Model, Trainer, compute_gae)"
+                 + (", torch.compile" if config.compile else ""))
+        workers = config.num_workers
+        self.say("engine: the lesson's Game, " + (
+            f"{config.num_envs // workers} per Worker in {workers} child processes" if workers
+            else f"{config.num_envs} in this process"))
         changed = [(f.name.replace("_", "-"), getattr(config, f.name))
                    for f in dataclasses.fields(Config)
                    if f.name != "run_dir" and getattr(config, f.name) != f.default]
@@ -1307,7 +1372,8 @@ class RunLog:
             return
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        writer.add_scalar("charts/learning_rate",
+                          self.main.trainer.optimizer.param_groups[0]["lr"], step)
         speed = self.steady_speed()
         if speed is not None:
             writer.add_scalar("charts/steps_per_second", speed, step)
@@ -1380,40 +1446,51 @@ class RunLog:
 # ----- Checkpoints --------------------------------------------------------------------------------
 
 
-def load_statistics(stats: RunningMeanStd, state: dict):
-    stats.count = float(state["count"])
-    stats.mean.copy_(state["mean"])
-    stats.var.copy_(state["var"])
-
-
 def learner_state(main: Main) -> dict:
     """Everything needed to continue learning: only tensors, numbers, strings, lists and dicts, so
-    that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code)."""
-    guard, stats = main.guard, main.guard.obs_stats
+    that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code). The
+    Model's state holds its running statistics (`obs_stats`): the policy's too."""
+    guard = main.guard
     return {
-        "script": SCRIPT, "env": main.config.env, "obs_size": guard.env.obs_size,
+        "script": SCRIPT, "env": main.config.env, "obs_size": guard.obs_size,
         "config": dataclasses.asdict(main.config),
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
-        # The running statistics of the Box vectors: the policy's too.
-        "normalizer": {"obs": {"count": stats.mean.new_tensor(stats.count), "mean": stats.mean,
-                               "var": stats.var}},
         "global_step": main.global_step, "updates": guard.updates,
         "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
     }
 
 
+def model_weights(checkpoint: dict) -> dict:
+    """The Model's state from a checkpoint; one written before the running statistics were the
+    Model's (they were its "normalizer") gets them as the Model's `obs_stats` buffers."""
+    weights = dict(checkpoint["model"])
+    for key, value in checkpoint.get("normalizer", {}).get("obs", {}).items():
+        weights.setdefault(f"obs_stats.{key}", value)
+    return weights
+
+
+def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
+    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
+    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+    if "exp_avg" in saved:
+        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
+        state["param_groups"][0]["lr"] = float(saved["lr"])
+        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
+                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
+        saved = state
+    optimizer.load_state_dict(saved)
+
+
 def restore_learner(main: Main, state: dict):
     try:
-        main.model.load_state_dict(state["model"])
+        main.model.load_state_dict(model_weights(state))
     except RuntimeError as error:
         raise UsageError(f"the checkpoint's network does not fit {main.config.env} with hidden "
                          f"size {main.config.hidden_size}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
-    main.trainer.optimizer.load_state_dict(state["optimizer"])
-    load_statistics(main.guard.obs_stats, state["normalizer"]["obs"])
+    load_optimizer(main.trainer.optimizer, state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
-    main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
 
 
@@ -1496,15 +1573,13 @@ def evaluate_checkpoint(given: Config) -> dict:
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
     env = inspect_env(config)
-    model = Model(env.obs_space, env.action_space, config.hidden_size, env.masked)
+    model = Model(env.obs_space, env.action_space, config.hidden_size, env.masked,
+                  config.normalize_observations, config.obs_clip)
     try:
-        model.load_state_dict(checkpoint["model"])
+        model.load_state_dict(model_weights(checkpoint))
     except RuntimeError as error:
         raise UsageError(f"the checkpoint's network does not fit {config.env}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
-    obs_stats = RunningMeanStd(model.encoder.vector_columns, "cpu",
-                               active=config.normalize_observations)
-    load_statistics(obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
     video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
@@ -1512,7 +1587,7 @@ def evaluate_checkpoint(given: Config) -> dict:
         while len(returns) < config.eval_episodes:
             if config.video:
                 video = write_frame(video, game, path)
-            obs = obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip, update=False)
+            obs = model.obs_stats.normalize(torch.from_numpy(obs)[None], update=False)
             actions, _, _ = model.act(obs, greedy=config.greedy)
             obs, _, _, _, info = game.step(packed(actions)[0])
             if "episode" in info:
@@ -1810,6 +1885,8 @@ def command_line(argv=None) -> int:
     """Run as a command; returns the exit status: 0, 1 after a failure, 2 for bad input, 128 + the
     signal after Ctrl-C or SIGTERM."""
     main = Main(parse_config(argv))
+    if main.config.check_env:  # the spec check's one line says it: not gymnasium's warnings first
+        warnings.filterwarnings("ignore", module=r"gymnasium\.utils\.passive_env_checker")
     try:
         main.run()
     except UsageError as error:

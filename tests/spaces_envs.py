@@ -119,7 +119,8 @@ class GridEnv(gym.Env):
 class FlawedEnv(gym.Env):
     """An env that breaks its own declared spaces at its third step, as `flaw` says: "dtype" (a
     float64 position), "shape", "key" (the Dict without "count"), "bounds" (count 5 of Discrete(3))
-    or "reward" (NaN)."""
+    or "reward" (NaN); "start": a float64 position from reset() on (gymnasium's own checker warns
+    of it at once)."""
 
     observation_space = spaces.Dict({"count": spaces.Discrete(3),
                                      "position": spaces.Box(-1, 1, (2,), np.float32)})
@@ -130,8 +131,8 @@ class FlawedEnv(gym.Env):
 
     def observation(self):
         obs = {"count": self.t % 3, "position": np.zeros(2, np.float32)}
-        if self.t >= 3:
-            if self.flaw == "dtype":
+        if self.t >= 3 or self.flaw == "start":
+            if self.flaw in ("dtype", "start"):
                 obs["position"] = np.zeros(2, np.float64)
             elif self.flaw == "shape":
                 obs["position"] = np.zeros(3, np.float32)
@@ -170,6 +171,6 @@ gym.register("TestInfoMask-v0", entry_point=InfoMaskEnv, max_episode_steps=10)
 gym.register("TestGrid-v0", entry_point=GridEnv, max_episode_steps=5)
 gym.register("TestWrongMask-v0", entry_point=WrongMaskEnv, max_episode_steps=10)
 gym.register("TestTextAction-v0", entry_point=TextActionEnv)
-for flaw in ("dtype", "shape", "key", "bounds", "reward"):
+for flaw in ("dtype", "shape", "key", "bounds", "reward", "start"):
     gym.register(f"TestFlawed{flaw.title()}-v0", entry_point=FlawedEnv, kwargs={"flaw": flaw},
                  max_episode_steps=20)

@@ -260,6 +260,30 @@ def test_a_truncated_episode_is_bootstrapped_from_its_final_observation_and_a_te
     assert hybrid.rollout.dones.eq(1).all() and len(calls) == 1
 
 
+def test_the_model_s_running_statistics_merge_exactly_and_normalise_only_the_box_columns():
+    # Chan et al.'s merge of batches of any sizes gives the mean and variance of all the rows at once.
+    obs_space = spaces.Dict({"mode": spaces.Discrete(3), "target": spaces.Box(-9, 9, (2,), np.float32)})
+    model = ps.Model(obs_space, spaces.Discrete(2), hidden_size=8, normalize=True, obs_clip=3.0)
+    stats = model.obs_stats
+    assert model.encoder.vector_columns == [1, 2] and {"obs_stats.mean", "obs_stats.var", "obs_stats.count"} <= set(
+        model.state_dict())  # saved with the weights: part of the policy
+    rows = torch.from_numpy(np.random.default_rng(0).normal(2.0, 3.0, (17, 3)).astype(np.float32))
+    rows[:, 0] = torch.randint(0, 3, (17,)).float()
+    for batch in (rows[:5], rows[5:6], rows[6:]):
+        normalised = stats.normalize(batch)
+    numbers = rows[:, 1:].double()
+    assert float(stats.count) == pytest.approx(1e-4 + 17)
+    assert torch.allclose(stats.mean, numbers.sum(0) / (17 + 1e-4))
+    assert torch.allclose(stats.var, numbers.var(0, correction=0), rtol=1e-4)
+    expected = ((batch[:, 1:].double() - stats.mean) / (stats.var + 1e-8).sqrt()).clamp(-3, 3).float()
+    assert torch.equal(normalised[:, 0], batch[:, 0]) and torch.allclose(normalised[:, 1:], expected)
+    before = stats.state_dict()
+    stats.normalize(rows, update=False)  # a final observation: read, not merged
+    assert all(torch.equal(before[key], value) for key, value in stats.state_dict().items())
+    off = ps.Model(obs_space, spaces.Discrete(2), hidden_size=8)  # --no-normalize-observations
+    assert off.obs_stats.normalize(rows) is rows and float(off.obs_stats.count) == pytest.approx(1e-4)
+
+
 # ----- the spec check --------------------------------------------------------------------------------
 
 
@@ -269,6 +293,7 @@ def test_a_truncated_episode_is_bootstrapped_from_its_final_observation_and_a_te
     ("key", "step 3's observation has the keys ['position'], not the keys ['count', 'position']"),
     ("bounds", "step 3's observation['count'] = 5 is outside Discrete(3)"),
     ("reward", "step 3's reward is nan, not a finite number"),
+    ("start", "reset()'s observation['position'] has dtype float64, not float32"),
 ])
 def test_the_spec_check_names_the_first_mismatch(flaw, problem):
     env_id = f"TestFlawed{flaw.title()}-v0"
@@ -332,6 +357,9 @@ def test_command_line_run_resume_and_eval_with_video_on_taxi(tmp_path):
     result = run_script(*SMALL, "--total-timesteps", 256, "--run-dir", run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'action mask: info["action_mask"], 6 choices' in result.stdout
+    # The start-up lines name the learner and what plays the games.
+    assert "learner: the lesson's torch code (Model, Trainer, compute_gae)\n" in result.stdout
+    assert "engine: the lesson's Game, 4 in this process\n" in result.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == {"script", "env", "seed", "steps", "seconds", "warmup_seconds", "steps_per_second",
                             "episodes", "mean_return_100", "target_return", "solved_step", "solved_seconds",
@@ -344,7 +372,7 @@ def test_command_line_run_resume_and_eval_with_video_on_taxi(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert resumed["global_step"] == 512 and resumed["updates"] == 4
-    assert resumed["optimizer"]["steps"] == 4 * 4 * 2  # updates x epochs x minibatches
+    assert resumed["optimizer"]["state"][0]["step"] == 4 * 4 * 2  # updates x epochs x minibatches
 
     result = run_script("--eval", run_dir, "--eval-episodes", 2, "--video", "--device", "cpu")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -354,14 +382,42 @@ def test_command_line_run_resume_and_eval_with_video_on_taxi(tmp_path):
 
 def test_a_user_env_by_module_name_and_the_normaliser_in_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_script("--env", "spaces_envs:TestHybrid-v0", *SMALL, "--total-timesteps", 128, "--run-dir", run_dir)
+    result = run_script("--env", "spaces_envs:TestHybrid-v0", *SMALL, "--total-timesteps", 128, "--num-workers", 2,
+                        "--run-dir", run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "engine: the lesson's Game, 2 per Worker in 2 child processes\n" in result.stdout
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
-    normalizer = checkpoint["normalizer"]["obs"]
-    assert normalizer["mean"].shape == (1,)  # the Box target; the Discrete mode is one-hot instead
-    assert float(normalizer["count"]) == pytest.approx(1e-4 + 128 + 4)  # every observation seen, once
+    weights = checkpoint["model"]  # the running statistics are the Model's buffers, `obs_stats`
+    assert weights["obs_stats.mean"].shape == (1,)  # the Box target; the Discrete mode is one-hot
+    assert float(weights["obs_stats.count"]) == pytest.approx(1e-4 + 128 + 4)  # every obs, once
     result = run_script("--eval", run_dir, "--eval-episodes", 3, "--greedy", "--device", "cpu")
     assert result.returncode == 0 and "over 3 episodes (greedy actions)" in result.stdout, result.stderr
+
+
+def test_a_checkpoint_of_the_earlier_hand_written_adam_and_normalizer_resumes_as_the_same_learner(tmp_path):
+    # Before torch.optim.Adam and the Model's `obs_stats`, a checkpoint held {"steps", "lr", "exp_avg",
+    # "exp_avg_sq"} and the statistics apart ("normalizer"): resumed, it trains on exactly as today's.
+    ps.Main(small_config(tmp_path, env="TestHybrid-v0")).run()  # into tmp_path / "run"
+    (tmp_path / "run").rename(tmp_path / "new")
+    checkpoint = torch.load(tmp_path / "new" / "checkpoint.pt", weights_only=True)
+    optimizer, weights = checkpoint["optimizer"], checkpoint["model"]
+    moments = [optimizer["state"][i] for i in range(len(optimizer["state"]))]
+    old = {**checkpoint, "model": {k: v for k, v in weights.items() if not k.startswith("obs_stats.")},
+           "normalizer": {"obs": {key: weights[f"obs_stats.{key}"] for key in ("count", "mean", "var")}},
+           "optimizer": {"steps": int(moments[0]["step"]), "lr": optimizer["param_groups"][0]["lr"],
+                         "exp_avg": [m["exp_avg"] for m in moments], "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}}
+    (tmp_path / "old").mkdir()
+    torch.save(old, tmp_path / "old" / "checkpoint.pt")
+    for folder in ("new", "old"):
+        ps.Main(ps.Config(resume=str(tmp_path / folder), total_timesteps=256, device="cpu")).run()
+    new, resumed = (torch.load(tmp_path / folder / "checkpoint.pt", weights_only=True) for folder in ("new", "old"))
+    assert resumed["global_step"] == new["global_step"] == 256 and "normalizer" not in resumed
+    assert all(torch.equal(resumed["model"][key], value) for key, value in new["model"].items())
+    for mine, theirs in zip(resumed["optimizer"]["state"].values(), new["optimizer"]["state"].values()):
+        assert all(torch.equal(mine[key], theirs[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
+    torch.save(old, tmp_path / "old" / "checkpoint.pt")  # --eval reads the old form too
+    played = ps.evaluate_checkpoint(ps.Config(eval=str(tmp_path / "old"), eval_episodes=2, device="cpu"))
+    assert played["episodes"] == 2
 
 
 @pytest.mark.parametrize("args,line", [
@@ -372,6 +428,9 @@ def test_a_user_env_by_module_name_and_the_normaliser_in_the_checkpoint(tmp_path
      "error: spaces_envs:TestTextAction-v0's action space has a Text space: this script handles Box, Discrete, "
      "MultiDiscrete and MultiBinary leaves in Dict and Tuple nests, and no script of this library handles "
      "other actions"),
+    (["--env", "spaces_envs:TestFlawedStart-v0"],  # gymnasium's own warnings do not come first
+     "error: spaces_envs:TestFlawedStart-v0 does not keep to its spaces: reset()'s observation['position'] has "
+     "dtype float64, not float32 (--no-check-env skips this check)"),
     (["--env", "Taxi-v9"], "error: unknown env 'Taxi-v9'; did you mean Taxi-v4?"),
     (["--env", "MiniGrid-DoorKey-5x5-v0"], "error: MiniGrid-DoorKey-5x5-v0 comes with minigrid: pip install "
      "minigrid, then give --env minigrid:MiniGrid-DoorKey-5x5-v0 (the module registers it)"),
@@ -425,7 +484,7 @@ def test_under_torchrun_two_ranks_train_one_policy(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 256
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     # Both ranks' observations merged into one set of statistics: 2 ranks x 4 games x (2 x 16 + 1).
-    assert float(checkpoint["normalizer"]["obs"]["count"]) == pytest.approx(1e-4 + 2 * 4 * 33)
+    assert float(checkpoint["model"]["obs_stats.count"]) == pytest.approx(1e-4 + 2 * 4 * 33)
 
 
 def test_pasted_into_a_notebook_cell_it_defines_everything_and_starts_nothing(tmp_path):
@@ -435,6 +494,24 @@ def test_pasted_into_a_notebook_cell_it_defines_everything_and_starts_nothing(tm
     summary = namespace["Main"](namespace["Config"](env="TestHybrid-v0", num_envs=4, num_steps=16,
                                                     total_timesteps=64, run_dir=str(tmp_path / "run"))).run()
     assert summary["steps"] == 64
+
+
+def test_the_lesson_alone_cut_at_the_banner_trains_with_its_plain_run(tmp_path, capsys):
+    source = (ROOT / "ppo_spaces.py").read_text()
+    lesson = source[:source.index("\n# ==== Below")]
+    namespace = {"__name__": "lesson"}
+    exec(compile(lesson, "lesson", "exec"), namespace)
+    assert "RunGuard" not in namespace and "inspect_env" not in namespace
+    config = namespace["Config"](env="TestHybrid-v0", num_envs=4, num_workers=2, num_steps=16, total_timesteps=128)
+    main = namespace["Main"](config)
+    summary = main.run()
+    assert {"script", "env", "seed", "steps", "seconds", "episodes", "mean_return_100", "solved_step"} <= set(summary)
+    assert summary["steps"] == 128 and summary["episodes"] == 128  # one step an episode
+    assert float(main.model.obs_stats.count) == pytest.approx(1e-4 + 128 + 4)  # normalised in the lesson
+    assert "step 128 | " in capsys.readouterr().out  # the plain run's progress line
+    assert not any(worker.process.is_alive() for worker in main.games.workers)
+    with pytest.raises(NotImplementedError, match="--eval plays a checkpoint"):
+        namespace["Main"](namespace["Config"](eval=str(tmp_path))).run()
 
 
 # ----- learning --------------------------------------------------------------------------------------
