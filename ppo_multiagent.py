@@ -19,6 +19,7 @@ In a notebook:  from ppo_multiagent import Config, Main; Main(Config(total_times
 """
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import difflib
@@ -26,7 +27,10 @@ import math
 import multiprocessing
 import os
 import pkgutil
+import random
+import time
 import typing
+from collections import deque, namedtuple
 from typing import Optional
 
 SCRIPT = "ppo_multiagent"
@@ -52,8 +56,7 @@ class Config:
     clip_value_loss: bool = option(False, "clip the value update too")
     ent_coef: float = option(0.01, "weight of the entropy bonus", ">= 0")
     vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
-    max_grad_norm: float = option(10.0, "clip each group's gradient norm to this (MAPPO: 10)",
-                                  "> 0")
+    max_grad_norm: float = option(10.0, "clip each group's gradient norm to this (MAPPO)", "> 0")
     target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
     hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs", "> 0")
     agent_id: bool = option(False, "show each agent a one-hot of its index in its group")
@@ -74,8 +77,7 @@ class Config:
         None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop when 100 episodes average this per agent")
-    target_group: str = option("", "--target-return is this group's return per agent; empty: "
-                               "all agents'")
+    target_group: str = option("", "--target-return is this group's per agent; empty: all agents'")
     checkpoint_every: int = option(200_000, "save a checkpoint every this many steps", "> 0")
     resume: Optional[str] = option(None, "continue training from this checkpoint or run folder")
     eval: Optional[str] = option(None, "play --eval-episodes episodes with this checkpoint or run")
@@ -120,6 +122,18 @@ import torch
 import torch.nn as nn
 
 
+def parse_pairs(text: str) -> dict:
+    """--env-kwargs "N=5,local_ratio=0.3" -> {"N": 5, "local_ratio": 0.3}, --groups alike: each
+    value read as a Python literal (numbers, True, None, ...), else kept as a string."""
+    pairs = {}
+    for key, _, value in (map(str.strip, item.partition("=")) for item in text.split(",")
+                          if item.strip()):
+        with contextlib.suppress(ValueError, SyntaxError):
+            value = ast.literal_eval(value)
+        pairs[key] = value
+    return pairs
+
+
 def assign_groups(agents: list, kinds: list, prefixes: dict) -> dict:
     """Policy groups, {group name: slots of its agents}. A group's agents share one actor-critic,
     so they must observe and act alike: predators and their prey need a network each. By default
@@ -141,6 +155,36 @@ def assign_groups(agents: list, kinds: list, prefixes: dict) -> dict:
         name = os.path.commonprefix([agents[slot] for slot in slots]).rstrip("_0123456789")
         named[name if name and name not in named else f"{name or 'group'}{len(named)}"] = slots
     return named
+
+
+# A policy group: its agents (names; slots, their places in possible_agents), an observation's size,
+# its action space (as gymnasium writes it) and actions (Discrete: the choices; Box: the dimensions,
+# clipped to low..high), and the columns of its rows (`Game`) the policy reads, the critic, in all.
+GroupSpec = namedtuple("GroupSpec", "name agents slots obs_size action_space num_actions "
+                       "continuous low high policy_size value_size row_size")
+# An env: its agent slots, its global state's size (0 without --central-value), its groups (in the
+# order of their first agents) and the widest action (a Box's dimensions, else 1).
+EnvSpec = namedtuple("EnvSpec", "num_agents state_size groups action_columns")
+
+
+def describe_env(env, config: Config, prefixes: dict) -> EnvSpec:
+    """A (reset) env's policy groups and the sizes of their networks and rows (`Game`)."""
+    agents, groups = list(env.possible_agents), []
+    spaces = [(env.observation_space(agent), env.action_space(agent)) for agent in agents]
+    state_size = int(np.asarray(env.state()).size) if config.central_value else 0
+    for name, slots in assign_groups(agents, [str(pair) for pair in spaces], prefixes).items():
+        obs_space, action_space = spaces[slots[0]]
+        obs_size, continuous = int(np.prod(obs_space.shape)), action_space.shape != ()  # a Box
+        policy_size = obs_size + (len(slots) if config.agent_id else 0)
+        value_size = state_size + len(slots) if config.central_value else policy_size
+        bounds = ([float(x) for x in bound] for bound in (action_space.low, action_space.high)
+                  ) if continuous else ([], [])
+        groups.append(GroupSpec(
+            name, [agents[slot] for slot in slots], list(slots), obs_size, str(action_space),
+            int(action_space.shape[0] if continuous else action_space.n), continuous, *bounds,
+            policy_size, value_size, policy_size + (value_size if config.central_value else 0)))
+    return EnvSpec(len(agents), state_size, tuple(groups),
+                   max(group.num_actions if group.continuous else 1 for group in groups))
 
 
 class Game:
@@ -229,18 +273,12 @@ class Worker:
         self.present = self.receive()  # the child's first answer comes once its Games are reset
 
     @staticmethod
-    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game. Row game * num_agents + slot (the batch layout) holds that agent's row in
-        `obs_out`, reward, flags, presence and final row if it ended; ended episodes by game."""
-        n = games[0].num_agents
-        results = [game.step(actions[i * n:(i + 1) * n]) for i, game in enumerate(games)]
+    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> list:
+        """Step each Game on its agents' rows of `actions`, its next rows into `obs_out`. For each:
+        (rewards, terminated, truncated, present), a value per agent, and its info."""
+        results = [game.step(part) for game, part in zip(games, np.split(actions, len(games)))]
         obs_out[:] = np.concatenate([obs for obs, *_ in results])
-        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[1:4])
-        final_obs = {i * n + slot: info["final_obs"][slot] for i, (*_, info) in enumerate(results)
-                     for slot in np.flatnonzero(info.get("_final_obs", ()))}
-        episodes = {i: info["episode"] for i, (*_, info) in enumerate(results) if "episode" in info}
-        present = np.concatenate([game.present for game in games])
-        return rewards, terminated, truncated, present, final_obs, episodes
+        return [(*result[1:4], game.present, result[4]) for game, result in zip(games, results)]
 
     def child_loop(self, conn, seeds: list, options: dict):  # in the child, until told to stop
         games = [Game(self.env_id, seed, **options) for seed in seeds]  # Game i: seeds[i]
@@ -269,15 +307,47 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
     return linear
 
 
+class RunningMeanStd(nn.Module):
+    """Running mean and variance of a group's value targets, for value normalisation (`Model`):
+    buffers (saved with the weights, never moved by Adam), merged once per rollout by Chan et al.'s
+    (1979) parallel formula, exact for any split: with delta = mean_b - mean_a, n = n_a + n_b,
+        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n"""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(()))
+        self.register_buffer("var", torch.ones((), dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    def std(self) -> torch.Tensor:  # float32, at least 1e-3 (a constant target: V stays finite)
+        return self.var.sqrt().float()
+
+    @torch.no_grad()
+    def update(self, batch: torch.Tensor, pooled=lambda moments: moments):
+        """Merge a batch in (`pooled`: torchrun's hook, the moments' mean over the ranks)."""
+        batch = batch.double()
+        count, total, squares = pooled(
+            [float(batch.numel()), batch.sum().item(), (batch ** 2).sum().item()])
+        mean, seen, seen_mean = total / max(count, 1.0), self.count.item(), self.mean.item()
+        var = max(squares / max(count, 1.0) - mean ** 2, 0.0)
+        if seen + count > 0:
+            merged, delta = seen + count, mean - seen_mean
+            spread = self.var.item() * seen + var * count + delta ** 2 * seen * count / merged
+            std = float(np.float32(max(math.sqrt(spread / merged), 1e-3)))  # V's scale, in float32
+            self.mean.fill_(seen_mean + delta * count / merged)
+            self.var.fill_(std * std)  # its square, exact in float64: std() gives it back
+            self.count.fill_(merged)
+
+
 class Model(nn.Module):
     """The actor-critic of one group, shared by its agents: separate policy and value MLPs, 64-64
     tanh (37 details, #13). The policy reads a row's first `policy_size` columns (`Game`), what its
     agent sees alone; the critic the next `value_size` with --central-value (MAPPO paper, section 4:
     the global state and whose value it is), else the policy's columns. Value normalisation (MAPPO,
-    suggestion 1): V in units of the running mean and std of the group's value targets (buffers,
-    updated in `learn`). Discrete actions: a softmax. Box actions (`continuous`), as in
-    ppo_continuous.py: a Gaussian around the actor's output whose log std (one per dimension, from
-    0) depends on no state; the dimensions are independent: their log-probabilities sum."""
+    suggestion 1): V in units of the running mean and std of the group's value targets
+    (`return_stats`, merged in `learn`). Discrete actions: a softmax. Box actions (`continuous`),
+    as in ppo_continuous.py: a Gaussian around the actor's output whose log std (one per dimension,
+    from 0) depends on no state; the dimensions are independent: their log-probabilities sum."""
 
     def __init__(self, policy_size, value_size, num_actions, central_value, hidden_size=64,
                  continuous=False):
@@ -290,15 +360,12 @@ class Model(nn.Module):
         self.critic, self.actor = mlp(value_size, 1, 1.0), mlp(policy_size, num_actions, 0.01)
         if continuous:
             self.log_std = nn.Parameter(torch.zeros(1, num_actions))
-        # Buffers, not parameters: saved with the weights, never moved by the optimizer.
-        self.register_buffer("return_mean", torch.zeros(()))
-        self.register_buffer("return_std", torch.ones(()))
-        self.register_buffer("return_count", torch.zeros((), dtype=torch.float64))
+        self.return_stats = RunningMeanStd()
 
     def value(self, rows: torch.Tensor) -> torch.Tensor:
         start = self.policy_size if self.central_value else 0
         values = self.critic(rows[:, start:start + self.value_size]).squeeze(-1)
-        return values * self.return_std + self.return_mean
+        return values * self.return_stats.std() + self.return_stats.mean
 
     @staticmethod
     def gaussian_log_prob(actions, mean, log_std) -> torch.Tensor:
@@ -409,8 +476,8 @@ class Trainer:
 
     def __init__(self, models: nn.ModuleDict, config: Config):
         self.models, self.config = models, config
-        # Adam, eps 1e-5 (37 details, #3), written out below: torch.optim's first use costs ~1 s.
-        self.optimizer = Adam(models.parameters(), lr=config.learning_rate, eps=1e-5)
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3).
+        self.optimizer = torch.optim.Adam(models.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -473,13 +540,16 @@ class Trainer:
         for name, minibatch in minibatches.items():
             model = self.models[name]
             evaluated = model.evaluate_actions(minibatch.obs, minibatch.actions)
-            loss, group_stats = self.ppo_loss(minibatch, *evaluated, self.config, model.return_std)
+            loss, group_stats = self.ppo_loss(minibatch, *evaluated, self.config,
+                                              model.return_stats.std())
             losses.append(loss)
             stats.append(group_stats)
         return torch.stack(losses).sum(), {key: torch.stack([group[key] for group in stats]).mean()
                                            for key in stats[0]}
 
-    def gradient_step(self, minibatches: dict) -> dict:  # the diagnostics, as tensors
+    def gradient_step(self, minibatches: dict) -> dict:
+        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
+        global norm clip, Adam. Returns the diagnostics as tensors."""
         loss, stats = self.compute_loss(minibatches)
         self.optimizer.zero_grad()
         loss.backward()
@@ -493,18 +563,166 @@ class Trainer:
         return stats
 
 
+class StepResult(typing.NamedTuple):
+    """What one step of all the envs gives the trainer besides the rows, by row."""
+
+    rewards: np.ndarray  # [rows]
+    terminated: np.ndarray  # [rows] bool: the agent's episode ended in the game
+    truncated: np.ndarray  # [rows] bool: a time limit cut the agent's episode
+    present: np.ndarray  # [rows] bool: which agents are in their env now (the next rows)
+    final_obs: dict  # row -> the last row of the agent whose episode ended there
+    episodes: dict  # env index -> {"return", "team_return", "length"} of an episode that ended
+
+
+class WorkerPool:
+    """All the envs: num_envs Games in max(num_workers, 1) Workers, Game i seeded with first_seed
+    + i; their rows in one tensor in shared memory, [num_envs * num_agents, widest row], env-major:
+    row e * num_agents + a holds agent a of env e (`Rollout`)."""
+
+    def __init__(self, config: Config, spec: EnvSpec, first_seed: int, device: torch.device):
+        self.device, self.workers, count = device, [], max(config.num_workers, 1)
+        self.obs = torch.zeros(config.num_envs * spec.num_agents,
+                               max(group.row_size for group in spec.groups)).share_memory_()
+        options = {"env_kwargs": parse_pairs(config.env_kwargs), "agent_id": config.agent_id,
+                   "central_value": config.central_value, "width": self.obs.shape[1],
+                   "groups": {group.name: group.slots for group in spec.groups}}
+        seeds = np.split(first_seed + np.arange(config.num_envs), count)
+        for index, rows in enumerate(np.split(self.obs.numpy(), count)):  # each Worker's view
+            self.workers.append(self.start_worker(index, config.env, seeds[index].tolist(),
+                                                  options, rows))
+        self.present_array = np.concatenate([worker.present for worker in self.workers])
+
+    def start_worker(self, *args) -> Worker:  # (the machinery's are made safe)
+        return Worker(*args)
+
+    def observations(self) -> torch.Tensor:  # the envs' current rows (on the CPU: no copy)
+        return self.obs.to(self.device)
+
+    def present(self) -> torch.Tensor:  # 1.0 for each row whose agent is in its env now, else 0.0
+        return torch.from_numpy(self.present_array).to(self.device, torch.float32)
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        """Send all Workers their actions first, then collect: the children play in parallel."""
+        for worker, part in zip(self.workers, np.split(actions, len(self.workers))):
+            worker.send_step(part)
+        games = [game for worker in self.workers for game in worker.receive()]  # env by env
+        rewards, terminated, truncated, self.present_array = (
+            np.concatenate(part) for part in list(zip(*games))[:4])
+        agents = len(rewards) // len(games)
+        final_obs = {env * agents + slot: info["final_obs"][slot] for env, (*_, info)
+                     in enumerate(games) for slot in np.flatnonzero(info.get("_final_obs", ()))}
+        episodes = {env: info["episode"] for env, (*_, info) in enumerate(games)
+                    if "episode" in info}
+        return StepResult(rewards, terminated, truncated, self.present_array, final_obs, episodes)
+
+    def close(self):
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
+
+
+class Run:
+    """The plain run that `Main.train` talks to: seeds, the device, the env's groups and sizes, the
+    games, a progress line per update and the summary; all the lesson needs to train. Below the
+    banner `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard, torchrun, logging
+    and Workers made safe (this script has no fast engine)."""
+
+    games = summary = solved_step = None  # solved_step: where --target-return was reached
+    config = property(lambda self: self.main.config)
+
+    def __init__(self, main: "Main"):
+        self.main, self.updates, self.episodes = main, 0, 0
+        self.returns, self.judged = deque(maxlen=100), deque(maxlen=100)  # all's; the target's
+
+    def __enter__(self) -> "Run":
+        """Read the groups and the sizes the Models need from one env; pick the device; seed."""
+        config, self.start_time = self.config, time.perf_counter()
+        env = pkgutil.resolve_name(config.env).parallel_env(**parse_pairs(config.env_kwargs))
+        env.reset(seed=0)
+        self.spec = describe_env(env, config, parse_pairs(config.groups))
+        env.close()
+        self.device = torch.device("cuda" if config.device != "cpu"
+                                   and torch.cuda.is_available() else "cpu")
+        self.steps_per_step = config.num_envs * self.spec.num_agents  # agent steps per env step
+        self.seed_everything(config.seed)
+        return self
+
+    @staticmethod
+    def seed_everything(seed: int):  # the trainer's draws (sampling, shuffling); each env its own
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def prepare_learner(self) -> int:
+        """The step to start from: 0 (the machinery's: --resume's)."""
+        return 0
+
+    def start_games(self) -> WorkerPool:
+        """The envs, in Workers, env i seeded with seed + i."""
+        self.games = WorkerPool(self.config, self.spec, self.config.seed, self.device)
+        return self.games
+
+    def stop_at_once(self) -> bool:
+        """End the rollout now? Never here (the machinery's: on Ctrl-C)."""
+        return False
+
+    def mean(self, value):
+        """A number's (or each of a list's) mean over torchrun's processes: here, itself."""
+        return value
+
+    def after_rollout(self, ended: list):
+        """Record the episodes that ended, as (global step, episode); note the step at which the
+        last 100 reached --target-return per agent (of --target-group's agents, if named)."""
+        target, group = self.config.target_return, self.config.target_group
+        for step, episode in ended:
+            self.episodes += 1
+            self.returns.append(episode["return"])
+            self.judged.append(episode["groups"][group]["return"] if group else episode["return"])
+            if (target is not None and self.solved_step is None and len(self.judged) == 100
+                    and np.mean(self.judged) >= target):
+                self.solved_step = step
+
+    def after_update(self, stats: dict):
+        """Count the update; print a progress line."""
+        self.updates += 1
+        step, mean = self.main.global_step, f"{np.mean(self.returns):.2f}" if self.returns else "-"
+        print(f"step {step:,} | {step / (time.perf_counter() - self.start_time):,.0f} steps/s | "
+              f"return per agent {mean} | updates {self.updates}")
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        """Close the games and keep the summary; an error goes on up."""
+        if self.games is not None:
+            self.games.close()
+        self.summary = {"script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
+                        "steps": getattr(self.main, "global_step", 0), "episodes": self.episodes,
+                        "seconds": round(time.perf_counter() - self.start_time, 3),
+                        "mean_return_100": float(np.mean(self.returns)) if self.returns else None,
+                        "solved_step": self.solved_step}
+        return False
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:
+        """--eval: the machinery's, below the banner."""
+        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner "
+                                  "does it")
+
+
 class Main:
     """The loop (37 details, #6): `Main(config).run()` trains (or --eval plays); the summary."""
 
-    def __init__(self, config: Config):
-        self.config, self.guard = config, None
-        self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
+    def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
+        self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        return evaluate_checkpoint(self.config) if self.config.eval else self.train()
+        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
+        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
+        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
+        # Cut at the banner, the lesson runs with Run alone.
+        run_class = globals().get("RunGuard", Run)
+        return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
-    def train(self) -> dict:
-        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+    def train(self, run_class: type) -> dict:
+        self.guard = run_class(self)  # seeds, the games, the progress line, the summary
         with self.guard as guard:
             config, groups = self.config, guard.spec.groups  # (the checkpoint's, when resuming)
             self.models = nn.ModuleDict({  # a network per group, sized to its agents' spaces
@@ -532,7 +750,8 @@ class Main:
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
-            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
@@ -590,7 +809,7 @@ class Main:
         Each group's rows are shuffled apart, so every minibatch holds its share of each group."""
         config, steps, device = self.config, [], self.guard.device
         for name, rollout in self.rollouts.items():  # value normalisation (Model), present rows
-            self.guard.track_returns(self.models[name], returns[name][rollout.mask > 0])
+            self.models[name].return_stats.update(returns[name][rollout.mask > 0], self.guard.mean)
         for epoch in range(config.update_epochs):
             orders = {name: torch.randperm(returns[name].numel(), device=device)
                       for name in self.rollouts}
@@ -618,12 +837,11 @@ class Main:
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up,
-# Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the input checks; the
-# command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the Workers
+# made safe, and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C,
+# failures, logging, summary), which extend the lesson's plain `Run`; checkpoints; evaluation and
+# video; the input checks; the command line.
 
-import ast
 import copy
 import datetime
 import gc
@@ -632,13 +850,9 @@ import importlib
 import json
 import logging
 import multiprocessing.connection
-import random
 import signal
 import sys
 import threading
-import time
-from collections import deque
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import gymnasium as gym
@@ -678,7 +892,7 @@ class GuardedWorker(Worker):
         with contextlib.suppress(OSError):  # a child that is gone: receive() says how
             super().send_step(actions)
 
-    def receive(self, timeout: float = 120.0) -> tuple:
+    def receive(self, timeout: float = 120.0):
         name = f"worker {self.index} ({self.env_id})"
         ready = multiprocessing.connection.wait([self.trainer_end, self.process.sentinel], timeout)
         if not ready:
@@ -721,7 +935,7 @@ class InProcessWorker(Worker):
     def send_step(self, actions: np.ndarray):
         self.actions = actions
 
-    def receive(self) -> tuple:
+    def receive(self) -> list:
         return self.step_games(self.games, self.actions, self.obs_view)
 
     def close(self):
@@ -729,146 +943,25 @@ class InProcessWorker(Worker):
             game.env.close()
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the envs gives the trainer besides the rows, by row."""
+class GuardedWorkerPool(WorkerPool):
+    """The lesson's WorkerPool, made safe: GuardedWorkers (InProcessWorker with --num-workers 0),
+    each child told the trainer ends of the Workers started before it (to close its copies); a
+    failure to start one closes those started so far."""
 
-    rewards: np.ndarray  # [rows]
-    terminated: np.ndarray  # [rows] bool: the agent's episode ended in the game
-    truncated: np.ndarray  # [rows] bool: a time limit cut the agent's episode
-    present: np.ndarray  # [rows] bool: which agents are in their env now (the next rows)
-    final_obs: dict  # row -> the last row of the agent whose episode ended there
-    episodes: dict  # env index -> {"return", "team_return", "length"} of an episode that ended
-
-
-class WorkerPool:
-    """All the envs of this rank: num_workers Workers of num_envs / num_workers Games each (one in
-    this process with --num-workers 0), their rows in one [num_envs * num_agents, row size] array
-    (shared memory with child processes), env-major (row e * num_agents + a holds agent a of env e),
-    read as a tensor without a copy."""
-
-    def __init__(self, config: Config, spec: "EnvSpec", first_seed: int, device: torch.device):
-        self.device, self.workers, self.shared_obs = device, [], None
-        agents = spec.num_agents
-        shape = (config.num_envs * agents, max(group.row_size for group in spec.groups))
-        if config.num_workers == 0:
-            self.obs_array = np.zeros(shape, dtype=np.float32)
-        else:
-            self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
-            self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
-        worker_class = GuardedWorker if config.num_workers else InProcessWorker
-        options = {"env_kwargs": parse_env_kwargs(config.env_kwargs), "agent_id": config.agent_id,
-                   "central_value": config.central_value, "width": shape[1],
-                   "groups": {group.name: group.slots for group in spec.groups}}
-        games_per_worker = config.num_envs // max(config.num_workers, 1)
+    def __init__(self, config: Config, spec: EnvSpec, first_seed: int, device: torch.device):
+        self.workers, self.in_process = [], config.num_workers == 0
         try:
-            for index in range(max(config.num_workers, 1)):
-                first = index * games_per_worker
-                seeds = [first_seed + first + i for i in range(games_per_worker)]
-                rows = self.obs_array[first * agents:(first + games_per_worker) * agents]
-                worker = worker_class(index, config.env, seeds, options, rows,
-                                      [w.trainer_end for w in self.workers if w.trainer_end])
-                worker.first, worker.first_row = first, first * agents
-                self.workers.append(worker)
+            super().__init__(config, spec, first_seed, device)
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
-            self.shared_obs.unlink()
-        self.obs_tensor = torch.from_numpy(self.obs_array)
-        self.present_array = np.concatenate([worker.present for worker in self.workers])
 
-    def observations(self) -> torch.Tensor:
-        """The envs' current rows on the training device (no copy on the CPU)."""
-        return self.obs_tensor.to(self.device)
+    def start_worker(self, index: int, env_id: str, seeds: list, options: dict, rows) -> Worker:
+        worker_class = InProcessWorker if self.in_process else GuardedWorker
+        return worker_class(index, env_id, seeds, options, rows,
+                            [worker.trainer_end for worker in self.workers if worker.trainer_end])
 
-    def present(self) -> torch.Tensor:
-        """1.0 for each row whose agent is in its env now, 0.0 for an absent agent's."""
-        return torch.from_numpy(self.present_array).to(self.device, torch.float32)
-
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Send all workers their actions first, then collect: the children run in parallel."""
-        for worker in self.workers:
-            worker.send_step(actions[worker.first_row:worker.first_row + len(worker.obs_view)])
-        results = [worker.receive() for worker in self.workers]
-        final_obs, episodes = {}, {}
-        for worker, (*_, worker_final_obs, worker_episodes) in zip(self.workers, results):
-            final_obs.update({worker.first_row + i: row for i, row in worker_final_obs.items()})
-            episodes.update({worker.first + i: episode for i, episode in worker_episodes.items()})
-        rewards, terminated, truncated, present = (np.concatenate(part)
-                                                   for part in list(zip(*results))[:4])
-        self.present_array = present
-        return StepResult(rewards, terminated, truncated, present, final_obs, episodes)
-
-    def close(self):
-        for worker in self.workers:
-            worker.close()
-        self.workers = []
-        if self.shared_obs is not None:
-            self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
-            self.shared_obs.close()
-            self.shared_obs = None
-
-# ----- Adam and compilation -----------------------------------------------------------------------
-
-
-class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
-    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
-    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
-
-    def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
-        self.steps += 1
-        # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
-        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(self.exp_avg_sq, beta2)
-        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
-        # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
-        denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
-        torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / (1 - beta1 ** self.steps)
-        torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "lr": self.lr, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, state: dict):
-        self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
-                               state["exp_avg"] + state["exp_avg_sq"]):
-            mine.copy_(saved)
-
-
-@torch.no_grad()
-def merge_returns(model: Model, targets: torch.Tensor, over_ranks):
-    """Fold value targets (every rank's, under torchrun) into the critic's running mean and std
-    (Model's buffers), by Chan et al.'s parallel merge of (count, mean, variance)."""
-    targets = targets.double()
-    count, total, squares = over_ranks(
-        [float(targets.numel()), targets.sum().item(), (targets ** 2).sum().item()])
-    mean = total / max(count, 1.0)
-    var = max(squares / max(count, 1.0) - mean ** 2, 0.0)
-    seen, seen_mean = model.return_count.item(), model.return_mean.item()
-    if seen + count > 0:
-        merged, delta = seen + count, mean - seen_mean
-        squares = (model.return_std.item() ** 2 * seen + var * count
-                   + delta ** 2 * seen * count / merged)
-        model.return_mean.fill_(seen_mean + delta * count / merged)
-        model.return_std.fill_(max(math.sqrt(squares / merged), 1e-3))
-        model.return_count.fill_(merged)
+# ----- Compilation --------------------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -1047,7 +1140,7 @@ class NonFiniteLoss(RuntimeError):
 FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit status 1
 
 
-class RunGuard:
+class RunGuard(Run):
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
     On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
     Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
@@ -1055,11 +1148,11 @@ class RunGuard:
     afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        self.main, self.stop_signal, self.previous_handlers = main, None, {}
+        super().__init__(main)
+        self.stop_signal, self.previous_handlers = None, {}
         self.previous_threads = torch.get_num_threads()
-        self.ranks = self.games = self.log = self.summary = None
+        self.ranks = self.log = None
 
-    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
@@ -1090,9 +1183,7 @@ class RunGuard:
         # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
         # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
         self.seed = config.seed + self.ranks.rank
-        random.seed(self.seed)
-        np.random.seed(self.seed)
-        torch.manual_seed(self.seed)
+        self.seed_everything(self.seed)
         # One thread is fastest for networks this small (benchmarks/README.md); given back after.
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
@@ -1106,7 +1197,7 @@ class RunGuard:
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
             main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
-                                                  main.trainer.optimizer.lr)
+                                                  main.trainer.optimizer.param_groups[0]["lr"])
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
         self.log.start()  # the start-up block
@@ -1117,9 +1208,9 @@ class RunGuard:
         self.last_checkpoint_step = main.global_step
         return main.global_step
 
-    def start_games(self) -> WorkerPool:  # env i of rank r is seeded with seed + r * num_envs + i
+    def start_games(self) -> GuardedWorkerPool:  # env i of rank r: seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        self.games = WorkerPool(self.config, self.spec, first_seed, self.device)
+        self.games = GuardedWorkerPool(self.config, self.spec, first_seed, self.device)
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1127,9 +1218,6 @@ class RunGuard:
 
     def mean(self, value):  # over the ranks, of a number or of each of a list (alone: the value)
         return self.ranks.mean(value) if isinstance(value, list) else self.ranks.mean([value])[0]
-
-    def track_returns(self, model: Model, targets: torch.Tensor):  # value normalisation (Model)
-        merge_returns(model, targets, self.mean)
 
     def after_rollout(self, ended: list):
         """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
@@ -1193,6 +1281,11 @@ class RunGuard:
         if self.ranks is not None:
             self.ranks.close()
 
+    @staticmethod
+    def evaluate(config: Config) -> dict:
+        """--eval: play the checkpoint's policies."""
+        return evaluate_checkpoint(config)
+
 
 class RunLog:
     """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
@@ -1246,9 +1339,7 @@ class RunLog:
             rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
             self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
                      f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
-        if config.compile:
-            self.say("compiling the model and the update (torch.compile, once per run; this can "
-                     "take a minute)...")
+        self.say("\n".join(what_runs(config, guard.spec)))
 
     def record_episode(self, episode: dict, step: int):
         self.episodes += 1
@@ -1280,7 +1371,8 @@ class RunLog:
             return
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.param_groups[0]["lr"],
+                          step)
         speed = self.steady_speed()
         if speed is not None:
             writer.add_scalar("charts/steps_per_second", speed, step)
@@ -1346,6 +1438,23 @@ class RunLog:
         return summary
 
 
+def what_runs(config: Config, spec: EnvSpec) -> list:
+    """The start-up block's lines on what runs: the learner, the engine, each group (a policy's
+    agents and their actions), and whether it compiles."""
+    workers = config.num_workers
+    lines = ["learner: the lesson's torch code (Model, Trainer, compute_gae)"
+             + (", torch.compile" if config.compile else ""),
+             f"engine: the lesson's Game, {config.num_envs // workers} per Worker in {workers} "
+             f"child process{'es' * (workers > 1)}" if workers else
+             f"engine: the lesson's Game, {config.num_envs} in this process"]
+    lines += [f"group {group.name}: {', '.join(group.agents)}; actions {group.action_space}"
+              for group in spec.groups]
+    if config.compile:
+        lines.append("compiling the model and the update (torch.compile, once per run; this can "
+                     "take a minute)...")
+    return lines
+
+
 def run_summary(log: RunLog, interrupted: bool) -> dict:
     """summary.json: the run's counts and results; each group's returns under "groups"."""
     guard, config, step = log.guard, log.guard.config, log.main.global_step
@@ -1395,12 +1504,34 @@ def learner_state(main: Main) -> dict:
 
 
 def grouped_weights(models: nn.ModuleDict, weights: dict) -> dict:
-    """A checkpoint from before policy groups holds one shared network's weights, their names
-    without a group's: they are the one group's."""
+    """A checkpoint's weights, by today's names. One from before policy groups holds one shared
+    network's weights, their names without a group's: they are the one group's. One from before
+    RunningMeanStd holds return_mean, return_std and return_count: return_stats' mean, the square
+    root of its var, and its count."""
     names = list(models)
     if len(names) == 1 and "actor.0.weight" in weights:
-        return {f"{names[0]}.{key}": value for key, value in weights.items()}
-    return weights
+        weights = {f"{names[0]}.{key}": value for key, value in weights.items()}
+    renamed = {}
+    for key, value in weights.items():
+        group, _, name = key.rpartition(".")
+        if name == "return_std":
+            key, value = f"{group}.return_stats.var", value.double() ** 2
+        elif name in ("return_mean", "return_count"):
+            key = f"{group}.return_stats.{name.removeprefix('return_')}"
+        renamed[key] = value
+    return renamed
+
+
+def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
+    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
+    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+    if "exp_avg" in saved:
+        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
+        state["param_groups"][0]["lr"] = float(saved["lr"])
+        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
+                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
+        saved = state
+    optimizer.load_state_dict(saved)
 
 
 def restore_learner(main: Main, state: dict):
@@ -1410,7 +1541,7 @@ def restore_learner(main: Main, state: dict):
         raise UsageError(f"the checkpoint's networks do not fit {main.config.env} with hidden "
                          f"size {main.config.hidden_size}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
-    main.trainer.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer(main.trainer.optimizer, state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
@@ -1637,45 +1768,13 @@ def parse_groups(text: str) -> dict:
 
 
 def parse_env_kwargs(text: str) -> dict:
-    """--env-kwargs "N=5,local_ratio=0.3" -> {"N": 5, "local_ratio": 0.3}: each value read as a
-    Python literal (numbers, True, None, ...), else kept as a string."""
-    options = {}
+    """--env-kwargs, read by the lesson's `parse_pairs` once each pair is known to be name=value."""
     for item in filter(None, (part.strip() for part in text.split(","))):
-        key, equals, value = (part.strip() for part in item.partition("="))
+        key, equals, _ = (part.strip() for part in item.partition("="))
         if not equals or not key.isidentifier():
             raise UsageError(f"--env-kwargs {text!r}: write name=value pairs separated by commas, "
                              f"e.g. N=5,local_ratio=0.3")
-        try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
-    return options
-
-
-class GroupSpec(typing.NamedTuple):
-    """A policy group (`assign_groups`): its agents, alike, and the sizes of its network."""
-
-    name: str
-    agents: list  # their names, in possible_agents' order
-    slots: list  # their places in possible_agents
-    obs_size: int  # numbers in one agent's observation
-    action_space: str  # as gymnasium writes it
-    num_actions: int  # Discrete: the choices; Box: the dimensions
-    continuous: bool  # a Box action space (a Gaussian policy)
-    low: list  # Box: the bounds actions are clipped to (else empty)
-    high: list
-    policy_size: int  # columns of a row the policy reads (`Game`, `Model`)
-    value_size: int  # columns the critic reads
-    row_size: int  # columns of the group's rows
-
-
-class EnvSpec(typing.NamedTuple):
-    """What the networks need to know of an env (`inspect_env` checks it)."""
-
-    num_agents: int  # agent slots (possible_agents)
-    state_size: int  # numbers in the env's global state (0 without --central-value)
-    groups: tuple  # GroupSpec of each group, in the order of their first agents
-    action_columns: int  # numbers of one agent's action, the widest (a Box's dimensions, else 1)
+    return parse_pairs(text)
 
 
 def find_env_module(env_id: str):
@@ -1735,17 +1834,13 @@ def inspect_env(config: Config) -> EnvSpec:
                         f"{', '.join(map(str, spaces[slot]))}): one shared policy needs its "
                         f"agents to observe and act alike; put them in groups of their own")
             check_spaces(env_id, *spaces[slots[0]])
-        state_size = 0
         if config.central_value:
             try:
-                state_size = int(np.asarray(env.state()).size)
+                env.state()
             except Exception:
                 raise UsageError(f"{env_id} gives no global state (state()), which "
                                  f"--central-value needs: pass --no-central-value") from None
-        group_specs = tuple(group_spec(name, slots, agents, *spaces[slots[0]], state_size, config)
-                            for name, slots in groups.items())
-        return EnvSpec(len(agents), state_size, group_specs,
-                       max(group.num_actions if group.continuous else 1 for group in group_specs))
+        return describe_env(env, config, prefixes)  # the lesson's: the groups' sizes
     finally:
         env.close()
 
@@ -1767,21 +1862,6 @@ def check_spaces(env_id: str, obs_space, action_space):
     if isinstance(action_space, gym.spaces.Box) and len(action_space.shape) != 1:
         raise UsageError(f"{env_id} has {action_space} actions; this script's Gaussian policy "
                          f"takes vectors of actions (one dimension)")
-
-
-def group_spec(name, slots, agents, obs_space, action_space, state_size, config) -> GroupSpec:
-    """A group's sizes: a row holds [observation, one-hot of the agent in its group (with
-    --agent-id)], the policy's columns, then [global state, the one-hot] with --central-value."""
-    obs_size, continuous = int(np.prod(obs_space.shape)), isinstance(action_space, gym.spaces.Box)
-    policy_size = obs_size + (len(slots) if config.agent_id else 0)
-    value_size = state_size + len(slots) if config.central_value else policy_size
-    bounds = ([float(x) for x in bound] for bound in (action_space.low, action_space.high)
-              ) if continuous else ([], [])
-    return GroupSpec(name, [agents[slot] for slot in slots], list(slots), obs_size,
-                     str(action_space), int(action_space.shape[0] if continuous else
-                                            action_space.n), continuous, *bounds,
-                     policy_size, value_size,
-                     policy_size + (value_size if config.central_value else 0))
 
 
 def pick_device(name: str) -> torch.device:

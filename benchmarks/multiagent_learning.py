@@ -324,7 +324,7 @@ def play_matchups(args):
         models = nn.ModuleDict({g.name: pm.Model(g.policy_size, g.value_size, g.num_actions,
                                                  config.central_value, config.hidden_size)
                                 for g in spec.groups})
-        models.load_state_dict(checkpoint["model"])
+        models.load_state_dict(pm.grouped_weights(models, checkpoint["model"]))  # older names too
         names = [group.name for group in spec.groups]
         plays = {f"{name} trained, others random": {name} for name in names}
         plays["all trained"] = set(names)

@@ -301,18 +301,23 @@ def test_env_kwargs_are_read_as_python_values():
     assert pm.parse_env_kwargs("") == {}
 
 
-def test_adam_matches_torch_adam():
+def test_the_return_statistics_merge_by_chans_formula_and_scale_the_value():
     torch.manual_seed(0)
-    ours, theirs = torch.randn(5, 3, requires_grad=True), None
-    theirs = ours.detach().clone().requires_grad_(True)
-    mine, reference = pm.Adam([ours], lr=1e-2, eps=1e-5), torch.optim.Adam([theirs], lr=1e-2,
-                                                                            eps=1e-5)
-    for _ in range(5):
-        gradient = torch.randn(5, 3)
-        ours.grad, theirs.grad = gradient.clone(), gradient.clone()
-        mine.step()
-        reference.step()
-    assert torch.allclose(ours, theirs, atol=1e-7)
+    stats, batches = pm.RunningMeanStd(), [torch.randn(50) * 3 + 2, torch.randn(70) - 1]
+    for batch in batches:
+        stats.update(batch)
+    every = torch.cat(batches).double()
+    assert stats.count == 120 and stats.mean == pytest.approx(every.mean().item(), rel=1e-6)
+    assert stats.var.item() == pytest.approx(every.var(unbiased=False).item(), rel=1e-6)
+    assert torch.equal(stats.std().double() ** 2, stats.var)  # the float32 std, exactly its root
+    constant = pm.RunningMeanStd()
+    constant.update(torch.full((10,), 5.0))
+    assert constant.std() == pytest.approx(1e-3)  # at least 1e-3: V's scale never collapses
+    model = pm.Model(policy_size=4, value_size=4, num_actions=3, central_value=False)
+    rows = torch.randn(6, 4)
+    raw = model.critic(rows).squeeze(-1)
+    model.return_stats.load_state_dict(stats.state_dict())
+    assert torch.allclose(model.value(rows), raw * stats.std() + stats.mean)
 
 
 # ----- runs --------------------------------------------------------------------------------------
@@ -357,7 +362,7 @@ def test_command_line_run_resume_eval_and_video(tmp_path):
     assert result.returncode == 0, result.stderr
     resumed = checkpoint_of(run_dir)
     assert resumed["global_step"] == 2 * BATCH and resumed["updates"] == 2
-    assert resumed["optimizer"]["steps"] == 2 * 2 * 2  # updates x epochs x minibatches
+    assert resumed["optimizer"]["state"][0]["step"] == 2 * 2 * 2  # updates x epochs x minibatches
 
     result = run_script("--eval", run_dir / "checkpoint.pt", "--eval-episodes", 2, "--video")
     assert result.returncode == 0, result.stderr
@@ -396,7 +401,7 @@ def test_several_groups_run_resume_and_eval(tmp_path):
     resumed = pm.Main(pm.Config(resume=str(run_dir), total_timesteps=2 * batch,
                                 num_workers=0)).run()
     assert resumed["steps"] == 2 * batch and resumed["episodes"] == 8
-    assert checkpoint_of(run_dir)["optimizer"]["steps"] == 2 * 2 * 2
+    assert checkpoint_of(run_dir)["optimizer"]["state"][0]["step"] == 2 * 2 * 2
     assert len(checkpoint_of(run_dir)["log"]["recent_group_returns"]["prey/return"]) == 8
     with pytest.raises(pm.UsageError, match="trained with --groups adversary=predators"):
         pm.Main(pm.Config(resume=str(run_dir), groups="adversary=a,agent=b")).run()
@@ -405,6 +410,34 @@ def test_several_groups_run_resume_and_eval(tmp_path):
     assert played["episodes"] == 2 and set(played["groups"]) == {"predators", "prey"}
     assert played["groups"]["predators"]["team_return_mean"] == pytest.approx(
         3 * played["groups"]["predators"]["return_mean"])
+
+
+def test_a_checkpoint_of_the_hand_written_adam_and_the_old_buffers_resumes_alike(tmp_path):
+    """Before torch.optim.Adam and RunningMeanStd, a checkpoint held Adam's "steps", "lr",
+    "exp_avg", "exp_avg_sq", and the value statistics as return_mean, return_std, return_count:
+    resumed from that form, a run continues exactly as from today's."""
+    run_dir = tmp_path / "run"
+    pm.Main(pm.Config(total_timesteps=BATCH, run_dir=str(run_dir), **SMALL)).run()
+    state = checkpoint_of(run_dir)
+    adam, model = state["optimizer"], dict(state["model"])
+    old = dict(state, optimizer={
+        "steps": int(adam["state"][0]["step"]), "lr": adam["param_groups"][0]["lr"],
+        "exp_avg": [adam["state"][i]["exp_avg"] for i in sorted(adam["state"])],
+        "exp_avg_sq": [adam["state"][i]["exp_avg_sq"] for i in sorted(adam["state"])]})
+    std = model.pop("agent.return_stats.var").sqrt().float()
+    old["model"] = {**model, "agent.return_std": std,
+                    "agent.return_mean": model.pop("agent.return_stats.mean"),
+                    "agent.return_count": model.pop("agent.return_stats.count")}
+    for name, form in (("new", state), ("old", old)):
+        (tmp_path / name).mkdir()
+        torch.save(form, tmp_path / name / "checkpoint.pt")
+        pm.Main(pm.Config(resume=str(tmp_path / name), total_timesteps=2 * BATCH)).run()
+    new, resumed = checkpoint_of(tmp_path / "new"), checkpoint_of(tmp_path / "old")
+    assert new["model"].keys() == resumed["model"].keys()
+    for key in new["model"]:
+        assert torch.equal(new["model"][key], resumed["model"][key]), key
+    for i, moments in new["optimizer"]["state"].items():
+        assert torch.equal(moments["exp_avg_sq"], resumed["optimizer"]["state"][i]["exp_avg_sq"])
 
 
 def test_a_checkpoint_from_before_policy_groups_evaluates_and_resumes(tmp_path):
@@ -435,6 +468,21 @@ def test_the_target_return_applies_to_the_named_group_or_to_all_agents(tmp_path)
     assert everyone["solved_step"] is None  # the pointer's losses keep the mean of all below
 
 
+def test_the_start_up_lines_name_the_learner_the_engine_and_each_group(tmp_path, capsys):
+    settings = dict(env=TAG, num_envs=4, num_steps=25, update_epochs=1, device="cpu",
+                    total_timesteps=4 * 4 * 25)
+    for workers, engine in ((0, "the lesson's Game, 4 in this process"),
+                            (2, "the lesson's Game, 2 per Worker in 2 child processes")):
+        pm.Main(pm.Config(num_workers=workers, run_dir=str(tmp_path / str(workers)),
+                          **settings)).run()
+        lines = capsys.readouterr().out.splitlines()
+        assert "learner: the lesson's torch code (Model, Trainer, compute_gae)" in lines
+        assert f"engine: {engine}" in lines
+        assert ("group adversary: adversary_0, adversary_1, adversary_2; actions Discrete(5)"
+                in lines)
+        assert "group agent: agent_0; actions Discrete(5)" in lines
+
+
 def test_continuous_simple_spread_trains(tmp_path):
     summary = pm.Main(pm.Config(env_kwargs="continuous_actions=True", total_timesteps=BATCH,
                                 run_dir=str(tmp_path), **SMALL)).run()
@@ -456,7 +504,7 @@ def test_two_ranks_under_torchrun_train_one_network(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2 * global_batch
     assert summary["episodes"] == 2 * 2 * 2  # both ranks' episodes
-    assert checkpoint_of(tmp_path)["optimizer"]["steps"] == 2 * 2 * 2
+    assert checkpoint_of(tmp_path)["optimizer"]["state"][0]["step"] == 2 * 2 * 2
     assert result.stdout.count("finished at step") == 1  # rank 0 alone prints
 
 
@@ -523,7 +571,7 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True
     stopped = checkpoint_of(run_dir)
-    stopped_at, rate_before = stopped["global_step"], stopped["optimizer"]["lr"]
+    stopped_at, rate_before = stopped["global_step"], stopped["optimizer"]["param_groups"][0]["lr"]
     assert summary["steps"] == stopped_at > 0
 
     new_total = stopped_at + 2 * BATCH
@@ -532,7 +580,7 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path):
     assert resumed["steps"] == new_total and not resumed["interrupted"]
     # The total changed: the rate anneals from that of the last update before the checkpoint to 0
     # over the steps left (it never jumps up); the last update started at new_total - BATCH.
-    lr = checkpoint_of(run_dir)["optimizer"]["lr"]
+    lr = checkpoint_of(run_dir)["optimizer"]["param_groups"][0]["lr"]
     assert lr == pytest.approx(rate_before * (1 - (new_total - BATCH - stopped_at) / (2 * BATCH)))
 
 
