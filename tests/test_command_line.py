@@ -240,7 +240,7 @@ def test_help_answers_within_a_second(script):
     assert statistics.median(seconds) < 1.0, seconds
 
 
-@pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_continuous"])  # their NumPy paths
+@pytest.mark.parametrize("script", ["ppo_continuous"])  # its NumPy path
 @pytest.mark.parametrize("given", [None, "2"])
 def test_the_command_line_gives_numpy_one_thread_before_numpy_loads(script, given):
     # OpenBLAS reads OPENBLAS_NUM_THREADS once, as NumPy loads; a user's own setting is kept.
@@ -382,6 +382,14 @@ def test_start_up_block_names_the_env_device_rounded_total_run_dir_and_settings(
     settings = [line for line in block if line.startswith("settings: ")]
     num_envs = SMALL[script][SMALL[script].index("--num-envs") + 1]
     assert len(settings) == 1 and f"--num-envs {num_envs}" in settings[0], block
+
+
+def test_start_up_block_names_the_learner_and_the_engine(script, runs):
+    block = start_up_block(runs.first(script)["result"].stdout)
+    learner = [line for line in block if line.startswith("learner: ")]
+    engine = [line for line in block if line.startswith("engine: ")]
+    assert len(learner) == 1 and "lesson" in learner[0], block
+    assert len(engine) == 1 and "Game" in engine[0], block
 
 
 def test_progress_never_passes_100_percent_and_the_last_line_comes_once(script, runs):
