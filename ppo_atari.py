@@ -18,7 +18,10 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
+import random
+import time
 import typing
+from collections import deque
 from typing import Optional
 
 SCRIPT = "ppo_atari"
@@ -219,33 +222,38 @@ class Worker:
         self.process.join()
 
 
-def layer(module: nn.Module, gain: float = math.sqrt(2)) -> nn.Module:
-    """Orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2) in the body, 0.01
-    for the policy so that all actions start equally likely, 1 for the value)."""
+def layer(in_size: int, out_size: int, gain: float = math.sqrt(2), kernel_size: int = 0,
+          stride: int = 1) -> nn.Module:
+    """A linear layer (a convolution given a kernel size): orthogonal weights, zero biases (37
+    details, #2: gain sqrt(2) in the body; 0.01 for the actor: all actions start alike; 1: V)."""
+    module = (nn.Conv2d(in_size, out_size, kernel_size, stride) if kernel_size
+              else nn.Linear(in_size, out_size))
     nn.init.orthogonal_(module.weight, gain)
     nn.init.zeros_(module.bias)
     return module
 
 
 class Model(nn.Module):
-    """The Nature CNN (Mnih et al., 2015), one body with a policy and a value head, on uint8 stacks
-    scaled to [0, 1] here. `bfloat16`: the body in bfloat16 (3 digits); the rest stays float32."""
+    """The Nature CNN (Mnih et al., 2015): one body, an actor head (logits) and a critic head (V),
+    on uint8 stacks scaled to [0, 1] here. `bfloat16`: the body in bfloat16, the rest float32."""
 
     def __init__(self, num_actions: int, bfloat16: bool = False):
         super().__init__()
         self.bfloat16 = bfloat16
         self.body = nn.Sequential(
-            layer(nn.Conv2d(FRAME_STACK, 32, 8, stride=4)), nn.ReLU(),  # -> 32 x 20 x 20
-            layer(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),  # -> 64 x 9 x 9
-            layer(nn.Conv2d(64, 64, 3)), nn.ReLU(),  # -> 64 x 7 x 7
-            nn.Flatten(), layer(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
-        self.policy = layer(nn.Linear(512, num_actions), gain=0.01)
-        self.critic = layer(nn.Linear(512, 1), gain=1.0)
+            layer(FRAME_STACK, 32, kernel_size=8, stride=4), nn.ReLU(),  # -> 32 x 20 x 20
+            layer(32, 64, kernel_size=4, stride=2), nn.ReLU(),  # -> 64 x 9 x 9
+            layer(64, 64, kernel_size=3), nn.ReLU(),  # -> 64 x 7 x 7
+            nn.Flatten(), layer(64 * 7 * 7, 512), nn.ReLU())
+        self.actor, self.critic = layer(512, num_actions, gain=0.01), layer(512, 1, gain=1.0)
 
     def forward(self, obs: torch.Tensor):  # -> the actions' logits [batch, actions], values
         with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=self.bfloat16):
             hidden = self.body(obs.float() / 255.0).float()
-        return self.policy(hidden), self.critic(hidden).squeeze(-1)
+        return self.actor(hidden), self.critic(hidden).squeeze(-1)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:  # V(s) alone: the critic's estimate
+        return self(obs)[1]
 
     def act(self, obs: torch.Tensor, greedy: bool = False):  # actions, log-probabilities, values
         logits, value = self(obs)
@@ -274,7 +282,8 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     rewards (unbiased, but each adds its randomness). GAE averages all of them with weights
     (1 - lambda) lambda^(k-1); the sum telescopes into discounted TD errors, computed backwards:
 
-        A_t = sum_l (gamma lambda)^l delta_(t+l) = delta_t + gamma lambda (1 - d_t) A_(t+1)
+        $\\hat{A}_t = \\sum_l (\\gamma\\lambda)^l \\delta_{t+l}
+                  = \\delta_t + \\gamma\\lambda (1 - d_t) \\hat{A}_{t+1}$
 
     lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). `dones[t] = 1`
     (d_t) when the episode ended at step t (after action t) by termination or truncation: the sum
@@ -343,8 +352,9 @@ class Trainer:
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3).
         self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5,
-                                          fused=True)  # eps 1e-5, not 1e-8 (37 details, #3)
+                                          fused=True)  # (fused: one kernel for all the weights)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -394,7 +404,9 @@ class Trainer:
         outputs = self.model.evaluate_actions(minibatch.obs, minibatch.actions)
         return self.ppo_loss(minibatch, *outputs, self.config)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:  # the diagnostics, as tensors
+    def gradient_step(self, minibatch: Minibatch) -> dict:
+        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient
+        (torchrun), global norm clip, Adam. Returns the diagnostics as tensors."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -406,26 +418,133 @@ class Trainer:
         return stats
 
 
+class StepResult(typing.NamedTuple):
+    """What one step of all the games gives the trainer, besides the observations."""
+
+    rewards: np.ndarray  # [num_envs] float32, clipped to their sign
+    terminated: np.ndarray  # [num_envs] bool: the training episode ended (a life lost, game over)
+    truncated: np.ndarray  # [num_envs] bool: ALE's frame limit cut the game
+    restarted: np.ndarray  # [num_envs] bool: the game's frame stack starts afresh (see Rollout)
+    final_obs: dict  # game index -> the last observation of the episode that ended there
+    episodes: dict  # game index -> {"return", "length"} of the whole game that ended there
+
+
+class WorkerPool:
+    """All num_envs Games in max(num_workers, 1) Workers, game i seeded with first_seed + i; their
+    observations in one tensor in shared memory, each Worker writing its rows."""
+
+    def __init__(self, config: Config, first_seed: int, device: torch.device):
+        shape = (config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
+        self.obs, self.device = torch.zeros(shape, dtype=torch.uint8).share_memory_(), device
+        self.size = n = config.num_envs // max(config.num_workers, 1)  # Games per Worker
+        self.workers = [Worker(i, config.env, first_seed + i * n, self.obs[i * n:][:n].numpy())
+                        for i in range(max(config.num_workers, 1))]
+
+    def observations(self) -> torch.Tensor:  # the Games' current observations, on the device
+        return self.obs.to(self.device)
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        """Send every Worker its actions first, then collect: the children play in parallel."""
+        for i, worker in enumerate(self.workers):
+            worker.send_step(actions[i * self.size:][:self.size])
+        results = [worker.receive() for worker in self.workers]
+        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[:3])
+        final_obs, episodes = ({i * self.size + j: item for i, result in enumerate(results)
+                                for j, item in result[part].items()} for part in (3, 4))
+        restarted = terminated | truncated  # a Game's stack restarts at every episode's end
+        return StepResult(rewards, terminated, truncated, restarted, final_obs, episodes)
+
+    def close(self):
+        for worker in self.workers:
+            worker.close()
+
+
+class Run:
+    """The plain run that `Main.train` talks to: the seed, the device, the games, a progress line
+    and the summary: all the lesson needs to train. Below the banner, `RunGuard` extends it with
+    Ctrl-C, checkpoints, the non-finite guard, torchrun, logging and the fast engines."""
+
+    def __init__(self, main: "Main"):
+        self.main, self.config, self.games, self.summary = main, main.config, None, None
+        self.returns, self.episodes, self.updates, self.solved_step = deque(maxlen=100), 0, 0, None
+
+    def __enter__(self) -> "Run":
+        """Seed torch's draws (sampling, shuffling), pick the device, ask a Game its actions."""
+        config, self.start_time = self.config, time.perf_counter()
+        torch.manual_seed(config.seed)
+        use_cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        game = Game(config.env, config.seed)
+        self.num_actions, self.steps_per_step = int(game.env.action_space.n), config.num_envs
+        game.close()
+        return self
+
+    # What the machinery does here: the step to start from (--resume's), whether to end the
+    # rollout at once (Ctrl-C), the mean of a number over the processes that train (torchrun).
+    prepare_learner = lambda self: 0
+    stop_at_once = lambda self: False
+    mean = lambda self, value: value
+
+    def start_games(self) -> WorkerPool:
+        """All the games in Workers, game i seeded with seed + i."""
+        self.games = WorkerPool(self.config, self.config.seed, self.device)
+        return self.games
+
+    def after_rollout(self, ended: list):
+        """Record the (global step, episode) of the games that ended; note the target."""
+        target, self.episodes = self.config.target_return, self.episodes + len(ended)
+        for step, episode in ended:
+            self.returns.append(episode["return"])
+            if (target is not None and self.solved_step is None and len(self.returns) == 100
+                    and np.mean(self.returns) >= target):
+                self.solved_step = step
+
+    def after_update(self, stats: dict):
+        """A progress line: the step, the speed, the mean score of the last 100 games."""
+        self.updates, step = self.updates + 1, self.main.global_step
+        speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
+        print(f"step {step:,} | {speed:,.0f} steps/s | return {mean:.1f} | updates {self.updates}")
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        """Close the games and keep the summary; an error goes on up."""
+        if self.games is not None:
+            self.games.close()
+        config, seconds = self.config, round(time.perf_counter() - self.start_time, 3)
+        self.summary = {"script": SCRIPT, "env": config.env, "seed": config.seed,
+                        "steps": getattr(self.main, "global_step", 0), "seconds": seconds,
+                        "episodes": self.episodes, "solved_step": self.solved_step,
+                        "mean_return_100": float(np.mean(self.returns)) if self.returns else None}
+        return False
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
+        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner")
+
+
 class Main:
     """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
     An iteration (37 details, #6): play a rollout, estimate advantages, learn for some epochs."""
 
-    def __init__(self, config: Config):
-        self.config, self.guard = config, None
-        self.anneal_from = (0, config.learning_rate)  # (step, rate) where annealing starts
+    def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
+        self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        return evaluate_checkpoint(self.config) if self.config.eval else self.train()
+        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
+        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
+        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
+        # Cut at the banner, the lesson runs with Run alone.
+        run_class = globals().get("RunGuard", Run)
+        return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
-    def train(self) -> dict:
-        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+    def train(self, run_class: type) -> dict:
+        self.guard = run_class(self)  # seeds, the games, the progress line, the summary
         with self.guard as guard:
             config = self.config  # (the checkpoint's settings, when resuming)
             self.model = Model(guard.num_actions, bfloat16=config.precision == "bfloat16")
             self.model.to(guard.device, memory_format=torch.channels_last)  # faster convolutions
             self.trainer = Trainer(self.model, config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # By default ale-py plays the games in C++, the same as Game (a test holds them equal).
+            # Below the banner ale-py plays the games in C++ by default, the same as Game (tested).
             self.games, self.rollout = guard.start_games(), Rollout(config, guard.device)
             next_obs = self.games.observations()
             while self.global_step < config.total_timesteps:
@@ -442,7 +561,8 @@ class Main:
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
-            self.trainer.optimizer.param_groups[0]["lr"] = start_rate * max(0.0, 1.0 - progress)
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:  # -> the next observation
@@ -459,7 +579,7 @@ class Main:
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
                 cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut])).to(device)
-                result.rewards[cut] += config.gamma * self.model(cut_obs)[1].cpu().numpy()
+                result.rewards[cut] += config.gamma * self.model.value(cut_obs).cpu().numpy()
             rollout.rewards[step] = torch.from_numpy(result.rewards)
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated)
             rollout.restarts[step] = torch.from_numpy(result.restarted)  # see Rollout
@@ -470,19 +590,22 @@ class Main:
 
     @torch.no_grad()
     def estimate_advantages(self, next_obs: torch.Tensor):  # (advantages, returns) by GAE
-        last_value = self.model(next_obs)[1]  # (the model gives logits and values)
+        last_value = self.model.value(next_obs)
         rollout, device = self.rollout, self.guard.device
         rewards, dones = (t.to(device, non_blocking=True) for t in (rollout.rewards, rollout.dones))
         advantages = compute_gae(rewards, rollout.values, dones, last_value, self.config.gamma,
                                  self.config.gae_lambda)
         return advantages, advantages + rollout.values
 
-    def learn(self, advantages, returns) -> dict:  # update_epochs passes; the mean diagnostics
-        config, batch_size, steps = self.config, self.config.num_envs * self.config.num_steps, []
+    def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
+        """update_epochs passes over the rollout in shuffled minibatches; the mean diagnostics."""
+        config, batch_size = self.config, self.config.num_envs * self.config.num_steps
+        minibatch_size, steps = batch_size // config.num_minibatches, []
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
-            for indices in order.split(batch_size // config.num_minibatches):
-                minibatch = self.rollout.minibatch(indices, advantages, returns)
+            for start in range(0, batch_size, minibatch_size):
+                minibatch = self.rollout.minibatch(order[start:start + minibatch_size],
+                                                   advantages, returns)
                 steps.append(self.trainer.gradient_step(minibatch))  # diagnostics, as tensors
             # Early stop (37 details, #12, optional): the policy moved too far from the data's.
             if (config.target_kl is not None
@@ -500,8 +623,8 @@ class Main:
 #
 # A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
 # the games run on (guarded Workers, ale-py's C++ vector env) and compilation; `Ranks` (torchrun);
-# `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary); checkpoints; evaluation and
-# video; the input checks; the command line.
+# `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary), which extend the lesson's
+# plain `Run`; checkpoints; evaluation and video; the input checks; the command line.
 
 import copy
 import datetime
@@ -511,13 +634,9 @@ import json
 import logging
 import multiprocessing.connection
 import os
-import random
 import signal
 import sys
 import threading
-import time
-from collections import deque
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
@@ -606,17 +725,6 @@ class InProcessWorker(Worker):
             game.close()
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
-
-    rewards: np.ndarray  # [num_envs] float32, clipped to their sign
-    terminated: np.ndarray  # [num_envs] bool: the training episode ended (a life lost, game over)
-    truncated: np.ndarray  # [num_envs] bool: ALE's frame limit cut the game
-    restarted: np.ndarray  # [num_envs] bool: the game's frame stack starts afresh (see Rollout)
-    final_obs: dict  # game index -> the last observation of the episode that ended there
-    episodes: dict  # game index -> {"return", "length"} of the whole game that ended there
-
-
 class Engine:
     """What both engines share: the games write their observations into `obs_array`, uint8
     [num_envs, 4, 84, 84] on the host, and the trainer reads them on its device."""
@@ -637,58 +745,24 @@ class Engine:
         return self.staging.to(self.device, non_blocking=True)
 
 
-class WorkerPool(Engine):
-    """All the games as Games (`--env-backend game`): num_workers Workers of num_envs / num_workers
-    Games each (one in this process with --num-workers 0), their observations in one array (shared
-    memory with child processes). Game i is seeded with seeds[i] (a worker's first seed + i)."""
+class GuardedWorkerPool(Engine, WorkerPool):
+    """The lesson's WorkerPool made safe (`--env-backend game`): GuardedWorkers (one InProcessWorker
+    with --num-workers 0), the workers started so far closed if one fails to start, and on a GPU
+    the page-locked copy (Engine). Stepping and closing are the lesson's."""
 
-    def __init__(self, config: Config, seeds: list, device: torch.device):
-        self.workers, self.shared_obs = [], None
+    def __init__(self, config: Config, first_seed: int, device: torch.device):
+        self.workers, self.size = [], config.num_envs // max(config.num_workers, 1)
         shape = (config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
-        if config.num_workers == 0:
-            obs_array = np.zeros(shape, dtype=np.uint8)
-        else:
-            self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)))
-            obs_array = np.ndarray(shape, dtype=np.uint8, buffer=self.shared_obs.buf)
-        super().__init__(obs_array, device)
-        worker_class = GuardedWorker if config.num_workers else InProcessWorker
-        games_per_worker = config.num_envs // max(config.num_workers, 1)
+        super().__init__(torch.zeros(shape, dtype=torch.uint8).share_memory_().numpy(), device)
+        worker_class, n = GuardedWorker if config.num_workers else InProcessWorker, self.size
         try:
             for index in range(max(config.num_workers, 1)):
-                first = index * games_per_worker
-                worker = worker_class(index, config.env, seeds[first],
-                                      obs_array[first:first + games_per_worker],
-                                      [w.trainer_end for w in self.workers if w.trainer_end])
-                worker.first = first
-                self.workers.append(worker)
+                ends = [worker.trainer_end for worker in self.workers if worker.trainer_end]
+                self.workers.append(worker_class(index, config.env, first_seed + index * n,
+                                                 self.obs_array[index * n:][:n], ends))
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
-            self.shared_obs.unlink()
-
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Step every game: send all workers their actions first, then collect, so that children
-        run in parallel. A Game restarts its stack at every end of a training episode."""
-        for worker in self.workers:
-            worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
-        results = [worker.receive() for worker in self.workers]
-        final_obs, episodes = {}, {}
-        for worker, (_, _, _, worker_final_obs, worker_episodes) in zip(self.workers, results):
-            final_obs.update({worker.first + i: obs for i, obs in worker_final_obs.items()})
-            episodes.update({worker.first + i: episode for i, episode in worker_episodes.items()})
-        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[:3])
-        restarted = terminated | truncated
-        return StepResult(rewards, terminated, truncated, restarted, final_obs, episodes)
-
-    def close(self):
-        for worker in self.workers:
-            worker.close()
-        self.workers = []
-        if self.shared_obs is not None:
-            self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
-            self.shared_obs.close()
-            self.shared_obs = None
 
 
 class VectorGames(Engine):
@@ -771,7 +845,7 @@ class VectorGames(Engine):
     def close(self):
         self.env.close()
 
-# ----- Adam and compilation -----------------------------------------------------------------------
+# ----- Compilation -------------------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -948,7 +1022,7 @@ class NonFiniteLoss(RuntimeError):
 FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit status 1
 
 
-class RunGuard:
+class RunGuard(Run):
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
     On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
     Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
@@ -961,6 +1035,10 @@ class RunGuard:
 
     config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval
+        return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
         if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
@@ -1017,11 +1095,10 @@ class RunGuard:
         return main.global_step
 
     def start_games(self) -> Engine:  # game i of rank r is seeded with seed + r * num_envs + i
-        first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        seeds = [first_seed + i for i in range(self.config.num_envs)]
-        self.games = (VectorGames(self.config.env, seeds, self.device)
-                      if self.config.env_backend == "ale-vector" else
-                      WorkerPool(self.config, seeds, self.device))
+        config, first_seed = self.config, self.config.seed + self.ranks.rank * self.config.num_envs
+        self.games = (VectorGames(config.env, [first_seed + i for i in range(config.num_envs)],
+                                  self.device) if config.env_backend == "ale-vector" else
+                      GuardedWorkerPool(config, first_seed, self.device))
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1139,6 +1216,13 @@ class RunLog:
             rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
             self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
                      f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+        self.say("learner: the lesson's torch code (Model, Trainer, compute_gae)"
+                 + (", torch.compile" if config.compile else ""))
+        where = (f"{config.num_envs // config.num_workers} per Worker in {config.num_workers} "
+                 f"child processes" if config.num_workers else "in this process")
+        self.say("engine: " + ("ale-py's vector engine (C++), the same game as Game; --env-backend "
+                               "game plays the lesson's Game" if config.env_backend == "ale-vector"
+                               else f"the lesson's Game, {where}"))
         if config.compile:
             self.say("compiling the model and the update (torch.compile, once per run; this can "
                      "take a minute)...")
@@ -1254,16 +1338,30 @@ def learner_state(main: Main) -> dict:
 def load_weights(model: Model, weights: dict, config: Config):
     """A checkpoint's weights into `model`; one that does not fit (another version of this script
     wrote it) is refused in one line, for --resume and --eval alike."""
+    renamed = {"actor" + key[6:] if key.startswith("policy.") else key: value  # an older
+               for key, value in weights.items()}  # script's names: the actor was `policy`
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(renamed)
     except RuntimeError as error:
         raise UsageError(f"the checkpoint's network does not fit {config.env}: "
                          f"{str(error).splitlines()[-1].strip()}") from None
 
 
+def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
+    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
+    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+    if "exp_avg" in saved:
+        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
+        state["param_groups"][0]["lr"] = float(saved["lr"])
+        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
+                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
+        saved = state
+    optimizer.load_state_dict(saved)
+
+
 def restore_learner(main: Main, state: dict):
     load_weights(main.model, state["model"], main.config)
-    main.trainer.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer(main.trainer.optimizer, state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])

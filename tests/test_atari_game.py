@@ -643,7 +643,7 @@ def test_model_shapes_and_uint8_input_scaled_inside():
     assert logits.dtype == value.dtype == torch.float32
     # the 1/255 is inside the model: uint8 input gives what body(x / 255) gives, not body(x)
     hidden = model.body(obs.float() / 255.0)
-    torch.testing.assert_close(logits, model.policy(hidden))
+    torch.testing.assert_close(logits, model.actor(hidden))
     torch.testing.assert_close(value, model.critic(hidden).squeeze(-1))
     unscaled = model.body(obs.float())
     assert not torch.allclose(model.critic(unscaled).squeeze(-1), value)
@@ -655,7 +655,7 @@ def test_model_orthogonal_init_with_the_right_gains_and_zero_biases():
     model = pa.Model(4)
     layers = [m for m in model.body if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     assert len(layers) == 4
-    expected = [(layer, math.sqrt(2)) for layer in layers] + [(model.policy, 0.01), (model.critic, 1.0)]
+    expected = [(layer, math.sqrt(2)) for layer in layers] + [(model.actor, 0.01), (model.critic, 1.0)]
     for layer, gain in expected:
         w = layer.weight.detach().double().reshape(layer.weight.shape[0], -1)
         rows, columns = w.shape

@@ -2,8 +2,10 @@
 import json
 import subprocess
 import sys
+import types
 
 import cv2
+import numpy as np
 import pytest
 import torch
 
@@ -241,6 +243,98 @@ def test_a_machine_that_cannot_compile_runs_eagerly_with_one_warning(tmp_path, m
     config = pa.Config(compile=True, num_envs=2, num_steps=32, num_minibatches=2, total_timesteps=64,
                        num_workers=0, run_dir=str(tmp_path))
     summary = pa.Main(config).run()
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "torch.compile" in line]
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "torch.compile" in line]
     assert warnings == ["warning: torch.compile failed (RuntimeError: no compiler here); running eagerly"]
     assert summary["steps"] == 64
+    # the start-up line names the learner as asked for (compiled), before compiling was tried
+    assert "learner: the lesson's torch code (Model, Trainer, compute_gae), torch.compile" in \
+        captured.out.splitlines()
+
+
+@pytest.mark.parametrize("backend,workers,engine", [
+    ("ale-vector", 0, "engine: ale-py's vector engine (C++), the same game as Game; "
+                      "--env-backend game plays the lesson's Game"),
+    ("game", 2, "engine: the lesson's Game, 1 per Worker in 2 child processes"),
+    ("game", 0, "engine: the lesson's Game, in this process"),
+])
+def test_the_start_up_lines_name_the_learner_and_the_engine(backend, workers, engine, tmp_path, capsys):
+    pa.Main(pa.Config(num_envs=2, num_steps=32, num_minibatches=2, total_timesteps=64, num_workers=workers,
+                      env_backend=backend, compile=False, run_dir=str(tmp_path))).run()
+    lines = capsys.readouterr().out.splitlines()
+    assert "learner: the lesson's torch code (Model, Trainer, compute_gae)" in lines
+    assert engine in lines
+
+
+def test_the_lesson_alone_trains_the_network_the_whole_file_trains_with_the_lessons_game(tmp_path):
+    # The file cut at the banner, run as a pasted notebook cell: it defines everything it uses, and
+    # its plain Run (the Games in Workers) trains bitwise the network of the whole file's
+    # --env-backend game (RunGuard, GuardedWorkers).
+    source = (ROOT / "ppo_atari.py").read_text()
+    namespace = {"__name__": "lesson"}
+    exec(compile(source[:source.index("\n# ==== Below")], "lesson", "exec"), namespace)
+    settings = dict(seed=3, num_envs=2, num_steps=32, num_minibatches=2, total_timesteps=128, num_workers=2,
+                    compile=False, device="cpu")
+    alone = namespace["Main"](namespace["Config"](**settings))
+    summary = alone.run()
+    assert {"script", "env", "seed", "steps", "seconds", "episodes", "mean_return_100", "solved_step"} <= set(summary)
+    assert summary["steps"] == 128 and summary["script"] == "ppo_atari" and summary["solved_step"] is None
+    assert "RunGuard" not in namespace and isinstance(alone.guard, namespace["Run"])
+    whole = pa.Main(pa.Config(**settings, env_backend="game", run_dir=str(tmp_path)))
+    whole.run()
+    trained = alone.model.state_dict()
+    assert trained.keys() == whole.model.state_dict().keys()
+    for key, value in whole.model.state_dict().items():
+        assert torch.equal(trained[key], value), key
+    assert not torch.equal(trained["actor.weight"], pa.Model(4).actor.weight)  # it did learn something
+
+
+def test_a_time_limit_cut_gets_gamma_times_the_value_of_its_final_observation_and_a_death_nothing():
+    # Three games through Main.collect_rollout: on the second step, game 0 is cut by the time limit
+    # (truncated, not terminated), game 1 loses a life (terminated), game 2 both at once. Only game 0's
+    # reward gets gamma * V(final observation): its episode would have gone on (compute_gae's convention).
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    observations = lambda: torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8, generator=generator)
+    final_obs = observations()
+    no, rewards = np.zeros(3, dtype=bool), [np.array([1.0, -1.0, 0.0], np.float32), np.array([1.0, -1.0, 1.0], np.float32)]
+    results = [pa.StepResult(rewards[0], no, no, no, {}, {}),
+               pa.StepResult(rewards[1], np.array([False, True, True]), np.array([True, False, True]), ~no,
+                             {i: final_obs[i].numpy() for i in range(3)}, {0: {"return": 4.0, "length": 2}})]
+
+    class Games:  # what an engine gives the loop
+        def __init__(self):
+            self.obs, self.played = observations(), 0
+
+        def observations(self):
+            return self.obs
+
+        def step(self, actions):
+            self.obs, self.played = observations(), self.played + 1
+            return results[self.played - 1]
+
+    config, ended = pa.Config(num_envs=3, num_steps=2, gamma=0.9), []
+    main = pa.Main(config)
+    main.model, main.rollout, main.games, main.global_step = pa.Model(4), pa.Rollout(config, torch.device("cpu")), Games(), 0
+    main.guard = types.SimpleNamespace(device=torch.device("cpu"), steps_per_step=3, stop_at_once=lambda: False,
+                                       after_rollout=ended.extend)
+    main.collect_rollout(main.games.observations())
+    with torch.no_grad():
+        value = main.model.value(final_obs)[0]
+    assert abs(value.item()) > 1e-3  # (so that a missing bootstrap shows)
+    expected = torch.tensor([[1.0, -1.0, 0.0], [1.0, -1.0, 1.0]])
+    expected[1, 0] += 0.9 * value
+    torch.testing.assert_close(main.rollout.rewards, expected, rtol=0, atol=1e-6)
+    assert main.rollout.dones.tolist() == [[0, 0, 0], [1, 1, 1]]  # GAE stops at all three
+    assert main.global_step == 6 and ended == [(6, {"return": 4.0, "length": 2})]
+
+
+def test_a_checkpoint_that_names_the_actor_policy_still_loads():
+    # Before the heads were named actor and critic in every script, ppo_atari.py's actor was `policy`.
+    model = pa.Model(4)
+    older = {key.replace("actor.", "policy.", 1): value for key, value in model.state_dict().items()}
+    assert "policy.weight" in older and "actor.weight" not in older
+    loaded = pa.Model(4)
+    pa.load_weights(loaded, older, pa.Config())
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
