@@ -12,8 +12,7 @@ comes from the rewards r_t by GAE (`compute_gae`). Actions are real vectors from
 
 Run it:         python ppo_continuous.py   (Pendulum-v1; --env HalfCheetah-v5: pip install mujoco)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_continuous.py  (data parallel)
-In a notebook:  from ppo_continuous import Config, Main; Main(Config()).run()   (or paste it all)
-"""
+In a notebook:  from ppo_continuous import Config, Main; Main(Config()).run()   (or paste it all)"""
 
 import argparse
 import contextlib
@@ -22,7 +21,9 @@ import difflib
 import math
 import multiprocessing
 import sys
+import time
 import typing
+from collections import deque
 from typing import Optional
 
 SCRIPT = "ppo_continuous"
@@ -59,7 +60,7 @@ class Config:
 
     # Collecting experience.
     env: str = option("Pendulum-v1", "gymnasium id: Box observations, Box (continuous) actions")
-    env_backend: str = option("gym", "gym: Games | torch: Pendulum-v1 as tensors on --device")
+    env_backend: str = option("game", "game: the lesson's Game | torch: Pendulum-v1 in tensors")
     num_envs: int = option(16, "games played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
     num_steps: int = option(64, "steps per game in a rollout of num_envs * num_steps", "> 0")
@@ -68,8 +69,7 @@ class Config:
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
     total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)", "> 0")
     device: str = option("auto", "auto | cpu | cuda: auto takes CUDA when present")
-    run_dir: Optional[str] = option(
-        None, "logs, checkpoint and summary go here (default runs/<env>__<script>__<seed>__<time>)")
+    run_dir: Optional[str] = option(None, "logs, checkpoint, summary (default runs/<env>__...)")
     overwrite: bool = option(False, "replace the run already in --run-dir instead of refusing")
     target_return: Optional[float] = option(None, "stop at this mean return of 100 episodes")
     checkpoint_every: int = option(100_000, "save a checkpoint every this many steps", "> 0")
@@ -79,8 +79,7 @@ class Config:
     greedy: bool = option(False, "with --eval, take the mean action instead of sampling")
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than learning Pendulum)")
-    numpy_on_cpu: bool = option(True, "on the CPU, play and learn in NumPy: the same formulas, "
-                                "less overhead")
+    numpy_on_cpu: bool = option(True, "on the CPU, the shipped lesson's step in NumPy (faster)")
 
 
 def parse_config(argv=None) -> Config:
@@ -131,8 +130,7 @@ class Game:
         self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
         self.seed, self.action_space = seed, self.env.action_space
 
-    def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the env's own random stream.
+    def reset(self) -> np.ndarray:  # seeded the first time; later, the env's own random stream
         obs, _ = self.env.reset(seed=self.seed)
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0
         return np.asarray(obs, dtype=np.float32).reshape(-1)
@@ -150,13 +148,24 @@ class Game:
         return obs, reward, terminated, truncated, info
 
 
+class StepResult(typing.NamedTuple):
+    """One step of all the games, besides the observations: tensors on the device, a row a game."""
+
+    rewards: torch.Tensor  # [num_envs] float32, raw
+    terminated: torch.Tensor  # [num_envs] bool: the episode ended in the game
+    truncated: torch.Tensor  # [num_envs] bool: a time limit cut the episode
+    final_obs: torch.Tensor  # [num_envs, obs_size] raw: the last obs of an ended episode (else any)
+    episode_returns: torch.Tensor  # [num_envs] float64: raw return of the episode that ended there
+    episode_lengths: torch.Tensor  # [num_envs] int64: its length
+
+
 class Worker:
     """Plays several Games in a (forked) child process, so that they run on several cores: actions
-    go through a pipe, rewards, end flags and infos come back; observations, the one large array,
-    through shared memory (`obs_view`), read as a tensor with no copy. `GuardedWorker` guards it."""
+    go through a pipe, rewards, end flags and ended episodes come back; observations, the one large
+    array, through shared memory (`obs_view`: the child writes, the trainer reads it in place)."""
 
-    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
-        self.index, self.env_id, self.obs_view = index, env_id, obs_view
+    def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray, device="cpu"):
+        self.index, self.env_id, self.obs_view, self.device = index, env_id, obs_view, device
         self.trainer_end, child_end = multiprocessing.Pipe()
         self.process = multiprocessing.get_context("fork").Process(
             target=self.child_loop, args=(child_end, env_id, seed, obs_view),
@@ -165,46 +174,71 @@ class Worker:
         child_end.close()
         self.receive()  # the child's first answer comes once its Games are reset
 
-    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
+    def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):  # in the child
         games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # game i: seed + i
         obs_view[:] = [game.reset() for game in games]
         conn.send(("ok", None))
         while (command := conn.recv())[0] == "step":
-            steps = [game.step(action) for game, action in zip(games, command[1])]
-            obs_view[:] = [obs for obs, *_ in steps]
-            conn.send(("ok", [rest for _, *rest in steps]))
+            conn.send(("ok", self.step_games(games, command[1], obs_view)))
+
+    @staticmethod
+    def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
+        """Step each Game (observations into `obs_out`): StepResult's fields, as NumPy arrays."""
+        n, final_obs = len(games), np.zeros_like(obs_out)
+        rewards, returns, lengths = np.zeros(n, np.float32), np.zeros(n), np.zeros(n, np.int64)
+        terminated, truncated = np.zeros(n, bool), np.zeros(n, bool)
+        for i, game in enumerate(games):
+            obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(actions[i])
+            if "episode" in info:  # the ended episode's last observation, return and length
+                final_obs[i], episode = info["final_obs"], info["episode"]
+                returns[i], lengths[i] = episode["return"], episode["length"]
+        return rewards, terminated, truncated, final_obs, returns, lengths
+
+    def step(self, actions: torch.Tensor) -> StepResult:  # its Games' step, as WorkerPool's
+        self.send_step(actions.cpu().numpy())
+        return StepResult(*(torch.from_numpy(part).to(self.device) for part in self.receive()))
+
+    def observations(self) -> torch.Tensor:  # the Games' current observations, on the device
+        return torch.from_numpy(self.obs_view).to(self.device)
 
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
 
-    def receive(self) -> list:  # the last send_step's (reward, terminated, truncated, info) by game
+    def receive(self) -> tuple:  # the last send_step's result (the observations: in obs_view)
         return self.trainer_end.recv()[1]
 
+    def close(self):  # any command but "step" ends the child's loop
+        self.trainer_end.send(("close", None))
+        self.process.join()
 
-class RunningMeanStd:
+
+class RunningMeanStd(nn.Module):
     """The count, mean and variance of all the numbers seen so far, per feature, kept without the
-    numbers (float64), to normalise what PPO sees as CleanRL and SB3 do (continuous #6-#9): one set
-    for all games, part of the policy (saved, frozen by --eval). A batch merges in by Chan, Golub
-    and LeVeque's formula (1979), exact for any split (n = n_a + n_b, delta = mean_b - mean_a):
+    numbers (float64 buffers, saved apart as "normalizer"), to normalise what PPO sees as CleanRL
+    and SB3 do (continuous #6-#9): one set for all games, the Model's, frozen by --eval. A batch
+    merges in by Chan, Golub and LeVeque's formula (1979), exact for any split (n = n_a + n_b,
+    delta = mean_b - mean_a):
         mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
     From count 1e-4, mean 0, variance 1, as theirs (a safe first division). Off: a pass-through."""
 
-    def __init__(self, shape: tuple, device, count=1e-4, var=1.0, active: bool = True):
-        self.count, self.active = count, active
-        self.mean = torch.zeros(shape, dtype=torch.float64, device=device)
-        self.var = torch.full(shape, var, dtype=torch.float64, device=device)
+    def __init__(self, shape: tuple, device=None, count=1e-4, var=1.0, active: bool = True):
+        super().__init__()
+        self.active, float64 = active, dict(dtype=torch.float64, device=device)
+        self.register_buffer("mean", torch.zeros(shape, **float64), persistent=False)
+        self.register_buffer("var", torch.full(shape, var, **float64), persistent=False)
+        self.register_buffer("count", torch.tensor(count, **float64), persistent=False)
 
     def update(self, batch: torch.Tensor):  # a batch [n, *shape] of numbers
         var, mean = torch.var_mean(batch.to(torch.float64), dim=0, correction=0)
         self.merge(float(len(batch)), mean, var)
 
     def merge(self, count: float, mean: torch.Tensor, var: torch.Tensor):  # in place
-        total = self.count + count
+        total = self.count + count  # (a tensor: addcmul_ is add_ by alpha, without a GPU sync)
         delta = mean - self.mean
-        self.var.mul_(self.count / total).add_(var, alpha=count / total)
-        self.var.add_(delta.square(), alpha=self.count * count / total ** 2)
-        self.mean.add_(delta, alpha=count / total)
-        self.count = total
+        self.var.mul_(self.count / total).addcmul_(var, count / total)
+        self.var.addcmul_(delta.square(), self.count * count / total ** 2)
+        self.mean.addcmul_(delta, count / total)
+        self.count.copy_(total)
 
     def normalize(self, obs: torch.Tensor, clip: float, update: bool = True) -> torch.Tensor:
         """Continuous #6-#7: (obs - mean) / std, this batch included (`update`); then clipped."""
@@ -237,15 +271,19 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 class Model(nn.Module):
     """The actor-critic, two 64-64 tanh MLPs (37 details, #13, continuous #4): the policy's gives
     the mean of a Gaussian (continuous #1) whose log standard deviation, one per action dimension
-    from 0, depends on no state (#2); the dimensions are independent: log-probabilities sum (#3)."""
+    from 0, depends on no state (#2); the dimensions are independent: log-probabilities sum (#3).
+    It holds the running statistics of observations and returns: they are the policy's too."""
 
-    def __init__(self, obs_size: int, action_size: int, hidden_size: int = 64):
+    def __init__(self, obs_size: int, action_size: int, hidden_size: int = 64,
+                 normalize_observations: bool = True, scale_rewards: bool = True):
         super().__init__()
         mlp = lambda out_size, gain: nn.Sequential(
             layer(obs_size, hidden_size), nn.Tanh(), layer(hidden_size, hidden_size), nn.Tanh(),
             layer(hidden_size, out_size, gain=gain))
         self.critic, self.actor = mlp(1, 1.0), mlp(action_size, 0.01)
         self.log_std = nn.Parameter(torch.zeros(1, action_size))
+        self.obs_stats = RunningMeanStd((obs_size,), active=normalize_observations)
+        self.return_stats = RunningMeanStd((), active=scale_rewards)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         return self.critic(obs).squeeze(-1)
@@ -332,8 +370,8 @@ class Trainer:
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam, eps 1e-5 not 1e-8 (37 details, #3): `Adam` (below) steps as torch.optim.Adam does.
-        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3).
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -377,14 +415,13 @@ class Trainer:
         return loss, {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
                       "approx_kl": approx_kl, "clip_fraction": clip_fraction}
 
-    def compute_loss(self, minibatch: Minibatch):
-        """The loss of a minibatch under the current weights (what --compile compiles)."""
-        new_log_probs, entropy, new_values = self.model.evaluate_actions(minibatch.obs,
-                                                                         minibatch.actions)
-        return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
+    def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
+        evaluated = self.model.evaluate_actions(minibatch.obs, minibatch.actions)  # log pi, H, V
+        return self.ppo_loss(minibatch, *evaluated, self.config)
 
     def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One gradient step on one minibatch. Returns the diagnostics as tensors (no host sync)."""
+        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
+        global norm clip, Adam. Returns the diagnostics as tensors."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -396,32 +433,107 @@ class Trainer:
         return stats
 
 
-class Main:
-    """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
-    returns the summary as a dict. One iteration (37 details, #6): play, estimate each step's
-    advantage with GAE, learn for some epochs. `RunGuard` (below) sets up, logs, saves, stops."""
+class Run:
+    """The plain run that `Main.train` talks to: seeds, the device, the env's sizes, the games (one
+    Worker), a progress line per update and the summary: all the lesson needs to train. Below the
+    banner, `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard, torchrun,
+    logging, summary.json and the fast engines."""
 
-    def __init__(self, config: Config):
-        self.config, self.guard = config, None
+    config = property(lambda self: self.main.config)  # the run's settings
+    solved_step = None  # the step at which --target-return was reached
+
+    def __init__(self, main: "Main"):
+        self.main, self.games, self.summary, self.updates = main, None, None, 0
+        self.returns, self.episodes = deque(maxlen=100), 0  # the last 100 returns; all episodes
+
+    def __enter__(self) -> "Run":
+        """Seed torch's draws (sampling, shuffling), pick the device, read the env's sizes."""
+        config, self.start_time = self.config, time.perf_counter()
+        torch.manual_seed(config.seed)
+        use_cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        game = Game(config.env, config.seed)  # its spaces: the Model's sizes, the action bounds
+        space, self.obs_size = game.action_space, int(np.prod(game.env.observation_space.shape))
+        self.action_size, self.action_bounds = int(np.prod(space.shape)), [
+            torch.as_tensor(bound, dtype=torch.float32, device=self.device).flatten()
+            for bound in (space.low, space.high)]
+        game.env.close()
+        self.steps_per_step = config.num_envs  # environment steps per step of the loop
+        return self
+
+    # What the machinery does here: the step to start from (--resume's), whether to end the
+    # rollout at once (Ctrl-C), the mean of a number over the processes that train (torchrun).
+    prepare_learner = lambda self: 0
+    stop_at_once = lambda self: False
+    mean = lambda self, value: value
+
+    def start_games(self) -> Worker:
+        """All the games in one Worker, game i seeded with seed + i."""
+        obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
+        self.games = Worker(0, self.config.env, self.config.seed, obs.numpy(), self.device)
+        return self.games
+
+    def after_rollout(self, episodes: list):
+        """Record the returns of the episodes that ended ((global step, StepResult) pairs) and the
+        step at which the mean of the last 100 reached --target-return."""
+        target = self.config.target_return
+        for step, result in episodes:
+            for row in (result.terminated | result.truncated).nonzero().flatten().tolist():
+                self.episodes += 1
+                self.returns.append(float(result.episode_returns[row]))
+                if (target is not None and self.solved_step is None and len(self.returns) == 100
+                        and np.mean(self.returns) >= target):
+                    self.solved_step = step
+
+    def after_update(self, stats: dict):
+        """A progress line: the step, the speed, the mean return of the last 100 episodes."""
+        self.updates, step = self.updates + 1, self.main.global_step
+        speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
+        print(f"step {step:,} | {speed:,.0f} steps/s | return {mean:.1f} | updates {self.updates}")
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        """Close the games and keep the summary; an error goes on up."""
+        if self.games is not None:
+            self.games.close()
+        self.summary = {"script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
+                        "steps": self.main.global_step, "episodes": self.episodes,
+                        "seconds": round(time.perf_counter() - self.start_time, 3),
+                        "mean_return_100": float(np.mean(self.returns)) if self.returns else None,
+                        "solved_step": self.solved_step}
+        return False
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
+        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner")
+
+
+class Main:
+    """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
+    One iteration (37 details, #6): play, estimate each step's advantage (GAE), learn for epochs."""
+
+    def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
+        self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        return evaluate_checkpoint(self.config) if self.config.eval else self.train()
+        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
+        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
+        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
+        # Cut at the banner, the lesson runs with Run alone.
+        run_class = globals().get("RunGuard", Run)
+        return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
-    def train(self) -> dict:
-        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+    def train(self, run_class: type) -> dict:
+        self.guard = run_class(self)  # seeds, the games, the progress line, the summary
         with self.guard as guard:
             config = self.config  # (the checkpoint's settings, when resuming)
-            self.model = Model(guard.obs_size, guard.action_size, config.hidden_size)
+            self.model = Model(guard.obs_size, guard.action_size, config.hidden_size,
+                               config.normalize_observations, config.scale_rewards)
             self.trainer = Trainer(self.model.to(guard.device), config)
-            self.obs_stats = RunningMeanStd((guard.obs_size,), guard.device,
-                                            active=config.normalize_observations)
-            self.return_stats = RunningMeanStd((), guard.device, active=config.scale_rewards)
-            self.discounted_returns = self.return_stats.mean.new_zeros(config.num_envs)  # R
+            self.discounted_returns = self.model.return_stats.mean.new_zeros(config.num_envs)  # R
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, NumPy, torchrun
-            # Workers of Games, or (--env-backend torch) Pendulum in tensors (tests/: the same game)
-            self.games = guard.start_games()
+            self.games = guard.start_games()  # Workers of Games (or the machinery's engines)
             self.rollout = Rollout(config, guard.obs_size, guard.action_size, guard.device)
-            next_obs = self.obs_stats.normalize(self.games.observations(), config.obs_clip)
+            next_obs = self.model.obs_stats.normalize(self.games.observations(), config.obs_clip)
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -429,44 +541,45 @@ class Main:
                     break  # the target was reached in this rollout: the policy is good enough
                 advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
-                guard.after_update(stats)  # NaN guard, logging, checkpoint when due
+                guard.after_update(stats)  # progress line (and NaN guard, checkpoint when due)
         return guard.summary
 
     def anneal_learning_rate(self):
         """Linear learning-rate annealing (37 details, #4): to 0 at the end, set per rollout."""
         if self.config.anneal_lr:
-            start_step, start_rate = self.anneal_from  # set by the guard: (0, lr), or a resume's
+            start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
-            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
         """Play num_steps steps of every game into the rollout; the next (normalised) obs."""
-        config, rollout, guard = self.config, self.rollout, self.guard
+        config, rollout, guard, model = self.config, self.rollout, self.guard, self.model
         episodes = []  # (step, its result): which games ended, their raw returns and lengths
         for step in range(config.num_steps):
             if guard.stop_at_once():  # Ctrl-C (see RunGuard)
                 break
             rollout.obs[step] = next_obs
-            actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
+            actions, rollout.log_probs[step], rollout.values[step] = model.act(next_obs)
             rollout.actions[step] = actions
             # Continuous #5: the env gets it clipped, the rollout keeps the sample (the ratio's)
             result = self.games.step(actions.clamp(*guard.action_bounds))
             # Continuous #6-#9; the episode returns and --target-return stay raw.
-            next_obs = self.obs_stats.normalize(self.games.observations(), config.obs_clip)
+            next_obs = model.obs_stats.normalize(self.games.observations(), config.obs_clip)
             ended = result.terminated | result.truncated
-            rewards = self.return_stats.scale(result.rewards, self.discounted_returns, ended,
-                                              config.gamma, config.reward_clip)
+            rewards = model.return_stats.scale(result.rewards, self.discounted_returns, ended,
+                                               config.gamma, config.reward_clip)
             # Truncation is not death: a time-limit cut would have gone on, so its last reward gets
             # gamma * V(final observation); the done flag then cuts GAE's sum for both endings.
             cut = result.truncated & ~result.terminated
             if cut.any():  # (most steps cut no episode: skip the extra forward pass then)
-                last = self.obs_stats.normalize(result.final_obs, config.obs_clip, update=False)
-                rewards = rewards + config.gamma * self.model.value(last) * cut
+                last = model.obs_stats.normalize(result.final_obs, config.obs_clip, update=False)
+                rewards = rewards + config.gamma * model.value(last) * cut
             rollout.rewards[step], rollout.dones[step] = rewards, ended
             self.global_step += guard.steps_per_step  # num_envs of every rank
             episodes.append((self.global_step, result))
-        guard.after_rollout(episodes)  # record the episodes; stop on Ctrl-C
+        guard.after_rollout(episodes)  # record the episodes (and stop on Ctrl-C)
         return next_obs
 
     @torch.no_grad()
@@ -479,36 +592,37 @@ class Main:
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
         """update_epochs passes over the rollout in shuffled minibatches; the mean diagnostics."""
-        config, batch_size = self.config, self.rollout.rewards.numel()
-        steps = []  # the diagnostics of each gradient step
+        config, batch_size = self.config, self.config.num_envs * self.config.num_steps
+        minibatch_size, steps = batch_size // config.num_minibatches, []
         for epoch in range(config.update_epochs):
             order = torch.randperm(batch_size, device=self.guard.device)
-            for indices in order.split(batch_size // config.num_minibatches):
-                minibatch = self.rollout.minibatch(indices, advantages, returns)
-                steps.append(self.trainer.gradient_step(minibatch))
+            for start in range(0, batch_size, minibatch_size):
+                minibatch = self.rollout.minibatch(order[start:start + minibatch_size],
+                                                   advantages, returns)
+                steps.append(self.trainer.gradient_step(minibatch))  # diagnostics, as tensors
             # Early stop (37 details, #12, optional): the policy has moved too far from the player.
             if (config.target_kl is not None
                     and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
-        stats = {key: (sum(step[key].detach() for step in steps) / len(steps)).item()
-                 for key in steps[0]}
-        variance = returns.var().item()  # explained variance (37 details, #12): 1 if V predicts R
-        stats["explained_variance"] = (0.0 if variance == 0 else
-                                       1 - (returns - self.rollout.values).var().item() / variance)
+        stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
+                 for key in steps[0]}  # the only host sync of the update
+        # Explained variance (37 details, #12): 1 - Var[R - V] / Var[R], 1 if V predicts R.
+        variance, unexplained = returns.var().item(), (returns - self.rollout.values).var().item()
+        stats["explained_variance"] = 0.0 if variance == 0 else 1 - unexplained / variance
         return stats
-
-
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
 # the games run on (Workers, or a Pendulum written in torch), the lesson's step in NumPy for the
-# CPU, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C, failures,
-# logging, summary); checkpoints; evaluation and video; the input checks; the command line.
+# CPU (while the lesson is the shipped one) and compilation; `Ranks` (torchrun); `RunGuard` and
+# `RunLog` (set-up, Ctrl-C, failures, logging, summary), which extend the lesson's plain `Run`;
+# checkpoints; evaluation and video; the input checks; the command line.
 
 import copy
 import datetime
 import gc
 import hashlib
+import inspect
 import json
 import logging
 import multiprocessing.connection
@@ -516,9 +630,6 @@ import os
 import random
 import signal
 import threading
-import time
-from collections import deque
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
@@ -599,42 +710,28 @@ class InProcessWorker(Worker):
     def send_step(self, actions: np.ndarray):
         self.actions = actions
 
-    def receive(self) -> list:
-        steps = [game.step(action) for game, action in zip(self.games, self.actions)]
-        self.obs_view[:] = [obs for obs, *_ in steps]
-        return [rest for _, *rest in steps]
+    def receive(self) -> tuple:
+        return self.step_games(self.games, self.actions, self.obs_view)
 
     def close(self):
         for game in self.games:
             game.env.close()
 
 
-class StepResult(typing.NamedTuple):
-    """One step of all the games, besides the observations: tensors on the device, a row a game."""
-
-    rewards: torch.Tensor  # [num_envs] float32, raw
-    terminated: torch.Tensor  # [num_envs] bool: the episode ended in the game
-    truncated: torch.Tensor  # [num_envs] bool: a time limit cut the episode
-    final_obs: torch.Tensor  # [num_envs, obs_size] raw: the last obs of an ended episode (else any)
-    episode_returns: torch.Tensor  # [num_envs] float64: raw return of the episode that ended there
-    episode_lengths: torch.Tensor  # [num_envs] int64: its length
-
-
 class WorkerPool:
     """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
-    this process with --num-workers 0), their observations in one [num_envs, obs_size] array
-    (shared memory with child processes), read as a tensor without a copy."""
+    this process with --num-workers 0), their observations in one [num_envs, obs_size] tensor in
+    shared memory, as Run's (torch unlinks it at once: nothing outlives the run), read in place."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
-        self.device, self.workers, self.shared_obs = device, [], None
-        shape = (config.num_envs, obs_size)
-        if config.num_workers == 0:
-            self.obs_array = np.zeros(shape, dtype=np.float32)
-        else:
-            self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
-            self.obs_array = np.ndarray(shape, dtype=np.float32, buffer=self.shared_obs.buf)
+        self.device, self.workers = device, []
+        self.obs_tensor = torch.zeros(config.num_envs, obs_size).share_memory_()
+        self.obs_array = self.obs_tensor.numpy()
         worker_class = GuardedWorker if config.num_workers else InProcessWorker
         games_per_worker = config.num_envs // max(config.num_workers, 1)
+        self.engine = (f"the lesson's Game, {games_per_worker} per Worker in {config.num_workers} "
+                       f"child processes" if config.num_workers else
+                       f"the lesson's Game, {games_per_worker} in this process")
         try:
             for index in range(max(config.num_workers, 1)):
                 first = index * games_per_worker
@@ -646,9 +743,6 @@ class WorkerPool:
         except BaseException:
             self.close()  # the workers started so far
             raise
-        if self.shared_obs is not None:  # mapped by the children now: no segment outlives the run
-            self.shared_obs.unlink()
-        self.obs_tensor = torch.from_numpy(self.obs_array)
 
     def observations(self) -> torch.Tensor:
         """The games' current observations on the training device (no copy on the CPU)."""
@@ -659,26 +753,14 @@ class WorkerPool:
         actions = actions.cpu().numpy()
         for worker in self.workers:
             worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
-        rewards, terminated, truncated, infos = zip(*(
-            game for worker in self.workers for game in worker.receive()))  # one row a game
-        final_obs = self.obs_array.copy()
-        returns, lengths = np.zeros(len(final_obs)), np.zeros(len(final_obs), dtype=np.int64)
-        for row, info in enumerate(infos):
-            if "episode" in info:  # (an ended episode has a final observation)
-                final_obs[row] = info["final_obs"]
-                returns[row], lengths[row] = info["episode"]["return"], info["episode"]["length"]
-        return StepResult(*(torch.from_numpy(array).to(self.device) for array in (
-            np.array(rewards, np.float32), np.array(terminated, bool), np.array(truncated, bool),
-            final_obs, returns, lengths)))
+        parts = zip(*(worker.receive() for worker in self.workers))  # each field, worker by worker
+        return StepResult(*(torch.from_numpy(np.concatenate(part)).to(self.device)
+                            for part in parts))
 
     def close(self):
         for worker in self.workers:
             worker.close()
         self.workers = []
-        if self.shared_obs is not None:
-            self.obs_tensor = self.obs_array = None  # drop the views before unmapping the memory
-            self.shared_obs.close()
-            self.shared_obs = None
 
 
 class TorchPendulum:
@@ -688,6 +770,8 @@ class TorchPendulum:
 
     MAX_SPEED, MAX_TORQUE, DT, G, M, L = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
     MAX_EPISODE_STEPS = 200
+    engine = ("the torch Pendulum (Pendulum-v1 in tensors, the same game as Game: "
+              "tests/test_continuous.py); --env-backend game plays the lesson's Game")
     REWARD_RANGE = (-(math.pi ** 2 + 0.1 * 8.0 ** 2 + 0.001 * 2.0 ** 2), 0.0)  # worst: pi, 8, 2
 
     def __init__(self, num_envs: int, seed: int, device: torch.device):
@@ -766,7 +850,7 @@ def check_env_specs(engine, num_envs: int, obs_space, action_space, steps: int =
 
 def start_engine(config: Config, obs_size: int, first_seed: int, device: torch.device):
     """Workers of Games, or the torch Pendulum checked first against gymnasium's declared spaces."""
-    if config.env_backend == "gym":
+    if config.env_backend == "game":
         return WorkerPool(config, obs_size, first_seed, device)
     env = gym.make(config.env)  # (for its declared spaces; Pendulum holds nothing to close)
     check_env_specs(TorchPendulum(4, first_seed, device), 4, env.observation_space,
@@ -785,28 +869,67 @@ def ended_episodes(episodes: list) -> list:
     return [(steps[t], {"return": float(returns[t, i]), "length": int(lengths[t, i])})
             for t, i in ended.nonzero().tolist()]
 
-# ----- The CPU's fast path: the same step in NumPy ------------------------------------------------
+# ----- The CPU's fast path: the lesson's step in NumPy, while the lesson is the shipped one -------
+
+# The lesson's definitions that NumpyPlayer and NumpyLearner compute again, and the sha256 of each
+# one's source as shipped. Where one differs (a reader's edit) or cannot be read (a notebook's
+# cell), the NumPy path steps aside: the lesson's torch code runs, as it reads. After a change on
+# purpose, make the NumPy path equal again (tests/test_continuous.py), then renew LESSON_DIGEST.
+NUMPY_STANDS_IN_FOR = ("RunningMeanStd", "Model", "compute_gae", "Minibatch", "Rollout",
+                       "Trainer", "Main.collect_rollout", "Main.estimate_advantages")
+LESSON_DIGEST = {
+    "RunningMeanStd": "25bd15634bc793f64fcf9bd91eff6390d039c225c2c140c8d4f9daafe77bdb64",
+    "Model": "5d78e05a6e70c509458280f01ac0abbf3ad127ff22d259d25cb17047fd348be2",
+    "compute_gae": "1fdfe7378e0b356ca45c184f2fc30b3fc1c99d796a592e11593d7a43d7b295b7",
+    "Minibatch": "2fc4fe679e94f546176bbfcba44007c3552a04ee17a599c7a03cf7b9d9f7e7c1",
+    "Rollout": "9a82272357fc03681bfc3176f384f870130eed36a7508062eee8abcff747e4c4",
+    "Trainer": "f1c31100f613f3399bca1dea3f84a393ee87c7eac1c779edf50f60095ff150fe",
+    "Main.collect_rollout": "ceb4cbf89e515cd2d465ee7e9c1577b11c5318496912ca0ff7f431e05c58a3dd",
+    "Main.estimate_advantages": "bd68302ee5f265729cae81a4b9e20da6576f948f9822d6b3da2dd39188b28245",
+}
 
 
-def use_numpy_on_cpu(main: Main):
+def lesson_digest() -> dict:
+    """The sha256 of the source of each of NUMPY_STANDS_IN_FOR as it is now (None: unreadable)."""
+    digests = {}
+    for name in NUMPY_STANDS_IN_FOR:
+        owner, _, method = name.partition(".")
+        try:  # (OSError, TypeError: no source to read, as in a notebook's cell)
+            definition = getattr(globals()[owner], method) if method else globals()[owner]
+            digests[name] = hashlib.sha256(inspect.getsource(definition).encode()).hexdigest()
+        except Exception:
+            digests[name] = None
+    return digests
+
+
+def use_numpy_on_cpu(main: Main) -> str:
     """--numpy-on-cpu (the default). On the CPU, with the games in this process, a step of MuJoCo's
     HalfCheetah takes ~30 us and PPO's arithmetic on it a few more, but torch's eager dispatch
     costs ~3 us for each of the ~60 small operations of the lesson's step, and a 64-row gradient
-    step with autograd ~1 ms (benchmarks/README.md); NumPy dispatches in about a microsecond. So
-    NumpyPlayer and NumpyLearner compute the lesson's formulas again in NumPy, on the lesson's own
-    tensors (a CPU tensor and its `.numpy()` share memory): the weights, Adam's moments and the
-    running statistics stay the ones checkpoints save, --eval plays and torchrun merges. tests/
-    check both against the lesson's torch code: they agree up to rounding. torchrun and --compile
-    keep torch's gradient step; Workers in child processes keep the lesson's rollout."""
-    config, guard = main.config, main.guard
+    step with autograd ~1 ms (benchmarks/README.md); NumPy dispatches in about a microsecond. So,
+    while the lesson is the shipped one, NumpyPlayer and NumpyLearner compute its formulas again
+    in NumPy, on its own tensors (a CPU tensor and its `.numpy()` share memory), equal up to
+    rounding (tests/). torchrun and --compile keep torch's gradient step; Workers in child
+    processes keep the lesson's rollout. Returns the start-up line: which learner runs, and why."""
+    config, guard, torch_code = main.config, main.guard, "learner: the lesson's torch code"
     if not config.numpy_on_cpu or guard.device.type != "cpu":
-        return
-    if guard.ranks.world_size == 1 and not config.compile:
+        return torch_code + (", torch.compile" if config.compile else "")
+    digests = lesson_digest()
+    differ = [name for name in NUMPY_STANDS_IN_FOR if digests[name] != LESSON_DIGEST.get(name)]
+    if None in digests.values() or differ:
+        why = ("its source cannot be read here" if None in digests.values() else
+               f"{', '.join(differ)} differ{'s' * (len(differ) == 1)} from the shipped lesson")
+        return f"{torch_code}: {why} (the NumPy fast path steps aside)"
+    torch_step = "torchrun" if guard.ranks.world_size > 1 else "--compile" if config.compile else ""
+    if not torch_step:
         main.trainer.gradient_step = NumpyLearner(main).gradient_step
     player = NumpyPlayer(main)  # (after the learner, which moves the weights into flat arrays)
     main.estimate_advantages = player.estimate_advantages
-    if config.env_backend == "gym" and config.num_workers == 0:
+    if config.env_backend == "game" and config.num_workers == 0:
         main.collect_rollout = player.collect_rollout
+    gradient = f" (torch steps the gradient: {torch_step})" if torch_step else ""
+    return (f"learner: NumPy fast path{gradient}, equal to the lesson's (tests/test_continuous.py; "
+            f"--no-numpy-on-cpu runs the lesson's torch code)")
 
 
 def numpy_layers(mlp: nn.Sequential) -> list:
@@ -827,15 +950,16 @@ def numpy_mlp(layers: list, x: np.ndarray, inputs: Optional[list] = None) -> np.
 
 def numpy_merge(stats: RunningMeanStd, batch: np.ndarray):
     """RunningMeanStd.update on NumPy views of its tensors: a batch [n, *shape] merged in."""
-    count = len(batch)
+    count, counted = len(batch), stats.count.numpy()  # (a 0-d view of the count)
     batch_mean = np.add.reduce(batch, 0, np.float64) / count
     batch_var = np.add.reduce((batch - batch_mean) ** 2, 0) / count
-    total, mean, var = stats.count + count, stats.mean.numpy(), stats.var.numpy()
+    seen, mean, var = float(counted), stats.mean.numpy(), stats.var.numpy()
+    total = seen + count
     delta = batch_mean - mean
-    var *= stats.count / total
-    var += batch_var * (count / total) + delta ** 2 * (stats.count * count / total ** 2)
+    var *= seen / total
+    var += batch_var * (count / total) + delta ** 2 * (seen * count / total ** 2)
     mean += delta * (count / total)
-    stats.count = total
+    counted[...] = total
 
 
 def numpy_normalize(stats: RunningMeanStd, obs: np.ndarray, clip: float, update: bool = True):
@@ -860,14 +984,14 @@ class NumpyPlayer:
         """Main.collect_rollout, step for step (its comments say why); the noise is drawn from
         torch's seeded generator once a rollout."""
         main, config, guard, rollout = self.main, self.config, self.guard, self.main.rollout
-        games, pool_obs = main.games.workers[0].games, main.games.obs_array
+        worker, pool_obs = main.games.workers[0], main.games.obs_array  # (an InProcessWorker)
         obs, actions, log_probs, values, rewards_out, dones = (
             tensor.numpy() for tensor in (rollout.obs, rollout.actions, rollout.log_probs,
                                           rollout.values, rollout.rewards, rollout.dones))
         low, high = (bound.numpy() for bound in guard.action_bounds)
         log_std, std = self.log_std, np.exp(self.log_std)
         noise = torch.randn(actions.shape).numpy()
-        returns, return_stats = main.discounted_returns.numpy(), main.return_stats
+        returns, return_stats = main.discounted_returns.numpy(), main.model.return_stats
         next_obs, episodes = next_obs.numpy(), []
         for step in range(config.num_steps):
             if guard.stop_at_once():
@@ -879,12 +1003,9 @@ class NumpyPlayer:
             log_probs[step] = (-0.5 * ((sampled - mean) / std) ** 2 - log_std
                                - 0.5 * math.log(2 * math.pi)).sum(-1)
             sent = np.minimum(np.maximum(sampled, low), high)
-            steps = [game.step(action) for game, action in zip(games, sent)]
-            pool_obs[:] = [game_obs for game_obs, *_ in steps]
-            next_obs = numpy_normalize(main.obs_stats, pool_obs, config.obs_clip)
-            _, raw_rewards, terminated, truncated, infos = zip(*steps)
-            rewards = raw_rewards = np.array(raw_rewards, np.float32)
-            terminated, truncated = np.array(terminated), np.array(truncated)
+            result = worker.step_games(worker.games, sent, pool_obs)  # StepResult's, in NumPy
+            next_obs = numpy_normalize(main.model.obs_stats, pool_obs, config.obs_clip)
+            rewards, terminated, truncated, final_obs = result[:4]
             ended = terminated | truncated
             if return_stats.active:  # RunningMeanStd.scale
                 returns *= config.gamma
@@ -895,17 +1016,12 @@ class NumpyPlayer:
                 rewards = np.minimum(np.maximum(rewards, -config.reward_clip), config.reward_clip)
             cut = truncated & ~terminated
             if cut.any():
-                final_obs = np.stack([info.get("final_obs", row)
-                                      for info, row in zip(infos, pool_obs)])
-                last = numpy_normalize(main.obs_stats, final_obs, config.obs_clip, update=False)
+                last = numpy_normalize(main.model.obs_stats, final_obs, config.obs_clip,
+                                       update=False)
                 rewards = rewards + config.gamma * numpy_mlp(self.critic, last)[:, 0] * cut
             rewards_out[step], dones[step] = rewards, ended
             main.global_step += guard.steps_per_step
-            if ended.any():  # for the episodes' records, what WorkerPool.step would give
-                episode = [info.get("episode", {"return": 0.0, "length": 0}) for info in infos]
-                result = (raw_rewards, terminated, truncated, pool_obs.copy(),
-                          np.array([e["return"] for e in episode]),
-                          np.array([e["length"] for e in episode], dtype=np.int64))
+            if ended.any():  # for the episodes' records
                 episodes.append((main.global_step, StepResult(*map(torch.from_numpy, result))))
         guard.after_rollout(episodes)
         return torch.from_numpy(next_obs)
@@ -930,22 +1046,27 @@ class NumpyPlayer:
 class NumpyLearner:
     """Trainer.gradient_step in NumPy (see use_numpy_on_cpu): Trainer.ppo_loss, its gradient by
     the chain rule written out from the loss back to each weight, the global norm clipped, Adam's
-    step. The model's weights and Adam's moments move into one flat array each (the tensors stay,
+    step as torch.optim.Adam's takes it on the CPU. The model's weights and Adam's moments (its
+    state, made here as its first step would) move into one flat array each (the tensors stay,
     their memory a view into it), so that clipping and Adam are a few operations on all at once."""
 
     def __init__(self, main: Main):
         self.config, optimizer = main.config, main.trainer.optimizer
-        named = list(main.model.named_parameters())  # the order of optimizer.params
+        named = list(main.model.named_parameters())  # the order of the optimizer's parameters
         total = sum(param.numel() for _, param in named)
         self.params, self.exp_avg, self.exp_avg_sq, self.grad = (
             np.zeros(total, np.float32) for _ in range(4))
+        self.steps = np.zeros(len(named), np.float32)  # Adam's step count, one per parameter
         self.grads, self.optimizer, offset = {}, optimizer, 0  # grads: name -> view of `grad`
         for index, (name, param) in enumerate(named):
             part, shape = slice(offset, offset + param.numel()), param.shape
             param.data = torch.from_numpy(self.params[part]).view(shape).copy_(param.data)
-            for flat, moments in ((self.exp_avg, optimizer.exp_avg),
-                                  (self.exp_avg_sq, optimizer.exp_avg_sq)):
-                moments[index] = torch.from_numpy(flat[part]).view(shape).copy_(moments[index])
+            state = optimizer.state[param]
+            state["step"] = torch.from_numpy(self.steps[index:index + 1]).view(()).copy_(
+                state.get("step", torch.tensor(0.0)))
+            for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                state[key] = torch.from_numpy(flat[part]).view(shape).copy_(
+                    state.get(key, torch.zeros(shape)))
             self.grads[name] = self.grad[part].reshape(shape)
             offset += param.numel()
         self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
@@ -1016,63 +1137,26 @@ class NumpyLearner:
                 d_out = (d_out @ layers[index][0]) * (1 - x * x)
 
     def clip_and_step(self) -> float:
-        """nn.utils.clip_grad_norm_ (the global norm scaled down to max_grad_norm), then `Adam`'s
+        """nn.utils.clip_grad_norm_ (the global norm scaled down to max_grad_norm), then Adam's
         step, on all weights at once. Returns the norm before clipping."""
-        optimizer, grad, m, v = self.optimizer, self.grad, self.exp_avg, self.exp_avg_sq
+        group, grad, m, v = self.optimizer.param_groups[0], self.grad, self.exp_avg, self.exp_avg_sq
         norm = float(np.sqrt(np.dot(grad, grad)))
         grad *= np.float32(min(1.0, self.config.max_grad_norm / (norm + 1e-6)))
-        (beta1, beta2), optimizer.steps = optimizer.betas, optimizer.steps + 1
+        (beta1, beta2), eps, lr = group["betas"], group["eps"], group["lr"]
+        self.steps += 1
+        steps = float(self.steps[0])
+        # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
         m += (1 - beta1) * (grad - m)
         v *= beta2
         v += (1 - beta2) * grad * grad
-        denominator = np.sqrt(v) / math.sqrt(1 - beta2 ** optimizer.steps) + optimizer.eps
+        # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
+        denominator = np.sqrt(v) / math.sqrt(1 - beta2 ** steps) + eps
         params = self.params
-        params -= optimizer.lr / (1 - beta1 ** optimizer.steps) * m / denominator
+        params -= lr / (1 - beta1 ** steps) * m / denominator
         return norm
 
 
-# ----- Adam and compilation -----------------------------------------------------------------------
-
-
-class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
-    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
-    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
-
-    def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
-        self.steps += 1
-        # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
-        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(self.exp_avg_sq, beta2)
-        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
-        # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
-        denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
-        torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / (1 - beta1 ** self.steps)
-        torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "lr": self.lr, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, state: dict):
-        self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
-                               state["exp_avg"] + state["exp_avg_sq"]):
-            mine.copy_(saved)
+# ----- Compilation --------------------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -1229,9 +1313,9 @@ def merge_over_ranks(ranks: Ranks, main: Main, before: dict):
     `before` (Chan's formula, inverted); all merge all shares into `before`, in rank order."""
     if not ranks.distributed:
         return
-    statistics, shares = (main.obs_stats, main.return_stats), []
+    statistics, shares = (main.model.obs_stats, main.model.return_stats), []
     for stats, old in zip(statistics, (before["obs"], before["return"])):
-        old_count, count = float(old["count"]), stats.count
+        old_count, count = float(old["count"]), float(stats.count)
         own = count - old_count
         own_mean = old["mean"] + (stats.mean - old["mean"]) * (count / own if own else 0.0)
         delta = own_mean - old["mean"]
@@ -1262,7 +1346,7 @@ class NonFiniteLoss(RuntimeError):
 FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit status 1
 
 
-class RunGuard:
+class RunGuard(Run):
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
     On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
     Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
@@ -1270,12 +1354,15 @@ class RunGuard:
     afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        self.main, self.stop_signal, self.previous_handlers = main, None, {}
+        super().__init__(main)  # main, games, summary; the settings are main's (or a checkpoint's)
+        self.stop_signal, self.previous_handlers, self.ranks, self.log = None, {}, None, None
         self.previous_threads = torch.get_num_threads()
-        self.ranks = self.games = self.log = self.summary = None
 
-    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval
+        return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
         if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
@@ -1311,9 +1398,8 @@ class RunGuard:
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
         # One thread is fastest for networks this small (benchmarks/README.md); given back after.
-        # NumPy's matrix products (the NumPy path) take one too: the command line sets
-        # OPENBLAS_NUM_THREADS=1 before NumPy loads, since OpenBLAS's second thread spins while it
-        # waits, and beside any other work it made whole runs many times slower (benchmarks/).
+        # NumPy's matrix products too: the command line sets OPENBLAS_NUM_THREADS=1 before NumPy
+        # loads (OpenBLAS's spinning second thread made whole runs many times slower: benchmarks/).
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
@@ -1323,18 +1409,17 @@ class RunGuard:
         compile (--compile), take the NumPy path (--numpy-on-cpu). Returns the step to start at."""
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
-        main.anneal_from = (0, main.config.learning_rate)  # (step, rate): a resume may move it
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
             main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
-                                                  main.trainer.optimizer.lr)
+                                                  main.trainer.optimizer.param_groups[0]["lr"])
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
         self.log.start()  # the start-up block
         self.ranks.copy_from_rank_0(main.model.state_dict().values())  # the same start everywhere
         if main.config.compile:
             compile_learner(main)
-        use_numpy_on_cpu(main)
+        self.log.say(use_numpy_on_cpu(main))  # the learner line
         self.last_good_learner = copy.deepcopy(learner_state(main))  # what a NaN falls back to
         self.last_checkpoint_step = main.global_step
         return main.global_step
@@ -1342,6 +1427,7 @@ class RunGuard:
     def start_games(self):  # game i of rank r is seeded with seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
         self.games = start_engine(self.config, self.obs_size, first_seed, self.device)
+        self.log.say(f"engine: {self.games.engine}")
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1351,9 +1437,8 @@ class RunGuard:
         return self.ranks.mean([value])[0]
 
     def after_rollout(self, episodes: list):
-        """Record the episodes that ended in the rollout; stop (raise Interrupted) if asked to.
-        Under torchrun the ranks meet here once per rollout: they merge their running statistics
-        and learn every rank's episodes (by step, then rank) and stop requests: all decide alike."""
+        """Record the episodes that ended; stop (raise Interrupted) if asked to. Under torchrun the
+        ranks merge their statistics here, and all learn every episode and stop request alike."""
         merge_over_ranks(self.ranks, self.main, self.last_good_learner["normalizer"])
         shared = self.ranks.gather((ended_episodes(episodes), self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
@@ -1365,8 +1450,7 @@ class RunGuard:
             raise Interrupted
 
     def after_update(self, stats: dict):
-        """Average the diagnostics over the ranks and stop if one is not finite; else log the
-        update and save when due."""
+        """The diagnostics' mean over the ranks: stop if one is not finite; log; save when due."""
         main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
@@ -1380,9 +1464,8 @@ class RunGuard:
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
     def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
-        save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
-        failure is raised again once everything is saved."""
+        """Close the games; unless the error is one a run cannot save from (bad input, a bug), save
+        the checkpoint and the summary. Ctrl-C ends a run normally; a failure is raised again."""
         try:
             if self.games is not None:
                 self.games.close()
@@ -1392,8 +1475,9 @@ class RunGuard:
             if isinstance(error, (NonFiniteLoss, RankError)):  # the update may be half done
                 restore_learner(self.main, self.last_good_learner)
             if failure is None:  # all ranks are here together: check they trained the same network
-                try:
-                    self.ranks.check_same([*self.main.model.parameters(), self.main.obs_stats.mean])
+                try:  # (its weights and running statistics)
+                    self.ranks.check_same([*self.main.model.parameters(),
+                                           *self.main.model.buffers()])
                 except RankError as mismatch:
                     failure = mismatch
             save_checkpoint(learner_state(self.main), self.checkpoint_path, self.ranks)
@@ -1486,7 +1570,8 @@ class RunLog:
             return
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        writer.add_scalar("charts/learning_rate",
+                          self.main.trainer.optimizer.param_groups[0]["lr"], step)
         speed = self.steady_speed()
         if speed is not None:
             writer.add_scalar("charts/steps_per_second", speed, step)
@@ -1560,7 +1645,7 @@ class RunLog:
 
 
 def load_statistics(stats: RunningMeanStd, state: dict):
-    stats.count = float(state["count"])
+    stats.count.copy_(state["count"])
     stats.mean.copy_(state["mean"])
     stats.var.copy_(state["var"])
 
@@ -1574,9 +1659,9 @@ def learner_state(main: Main) -> dict:
         "action_size": guard.action_size,
         "config": dataclasses.asdict(main.config),
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
-        "normalizer": {name: {"count": stats.mean.new_tensor(stats.count), "mean": stats.mean,
-                              "var": stats.var}  # the running statistics: the policy's too
-                       for name, stats in (("obs", main.obs_stats), ("return", main.return_stats))},
+        "normalizer": {name: {"count": stats.count, "mean": stats.mean, "var": stats.var}
+                       for name, stats in (("obs", main.model.obs_stats),  # the policy's too
+                                           ("return", main.model.return_stats))},
         "global_step": main.global_step, "updates": guard.updates,
         "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
@@ -1594,11 +1679,23 @@ def load_weights(model: Model, weights: dict, config: Config):
                          f"{str(error).splitlines()[-1].strip()}") from None
 
 
+def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
+    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
+    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+    if "exp_avg" in saved:
+        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
+        state["param_groups"][0]["lr"] = float(saved["lr"])
+        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
+                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
+        saved = state
+    optimizer.load_state_dict(saved)
+
+
 def restore_learner(main: Main, state: dict):
     load_weights(main.model, state["model"], main.config)
-    main.trainer.optimizer.load_state_dict(state["optimizer"])
-    load_statistics(main.obs_stats, state["normalizer"]["obs"])
-    load_statistics(main.return_stats, state["normalizer"]["return"])
+    load_optimizer(main.trainer.optimizer, state["optimizer"])
+    load_statistics(main.model.obs_stats, state["normalizer"]["obs"])
+    load_statistics(main.model.return_stats, state["normalizer"]["return"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
@@ -1664,6 +1761,8 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    if saved.get("env_backend") == "gym":  # its name before: the lesson's Game
+        saved["env_backend"] = "game"
     changed = {f.name: getattr(given, f.name) for f in fields
                if getattr(given, f.name) != f.default}
     for name in ("env", "hidden_size"):
@@ -1687,10 +1786,9 @@ def evaluate_checkpoint(given: Config) -> dict:
             os.environ.get("MUJOCO_GL") in ("egl", "osmesa") or os.environ.get("DISPLAY")):
         raise UsageError(f"--video of {config.env} needs a display, or MuJoCo's offscreen "
                          f"drawing: run with MUJOCO_GL=egl or MUJOCO_GL=osmesa")
-    model = Model(obs_size, action_size, config.hidden_size)
+    model = Model(obs_size, action_size, config.hidden_size, config.normalize_observations)
     load_weights(model, checkpoint["model"], config)
-    obs_stats = RunningMeanStd((obs_size,), "cpu", active=config.normalize_observations)
-    load_statistics(obs_stats, checkpoint["normalizer"]["obs"])
+    load_statistics(model.obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
     video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
@@ -1698,7 +1796,8 @@ def evaluate_checkpoint(given: Config) -> dict:
         while len(returns) < config.eval_episodes:
             if config.video:
                 video = write_frame(video, game, path)
-            obs = obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip, update=False)
+            obs = model.obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip,
+                                            update=False)
             actions, _, _ = model.act(obs, greedy=config.greedy)
             obs, _, _, _, info = game.step(actions[0].clamp(low, high).numpy())
             if "episode" in info:
@@ -1767,10 +1866,11 @@ def check_settings(config: Config):
             raise UsageError(f"--{flag} is for --eval's games: add --eval PATH")
     if config.eval and config.resume:
         raise UsageError("--eval plays a checkpoint, --resume trains on from one: give one")
-    if config.env_backend not in ("gym", "torch"):
-        raise UsageError(f"unknown --env-backend {config.env_backend!r}: use gym or torch")
+    if config.env_backend not in ("game", "torch"):
+        raise UsageError(f"unknown --env-backend {config.env_backend!r}: use game or torch")
     if config.env_backend == "torch" and config.env != "Pendulum-v1":
-        raise UsageError(f"--env-backend torch has Pendulum-v1 only, not {config.env}: use gym")
+        raise UsageError(f"--env-backend torch has Pendulum-v1 only, not {config.env}: use "
+                         f"--env-backend game")
     if config.env_backend == "torch" and config.num_workers:
         raise UsageError("--env-backend torch steps every game in this process: drop --num-workers")
     if config.num_workers and config.num_envs % config.num_workers:

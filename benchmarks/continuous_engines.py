@@ -7,7 +7,7 @@ torques in [-2, 2], drawn before the clock starts, for `--num-envs` (default 1 6
 of Pendulum-v1 on two engines:
 
 - `gymnasium`: `gymnasium.make_vec("Pendulum-v1", N, vectorization_mode="sync")`, the engine of
-  `--env-backend gym` (ppo_continuous.py's Game, in one process): one Python Pendulum per env,
+  `--env-backend game` (ppo_continuous.py's Game, in one process): one Python Pendulum per env,
   stepped in a loop, autoresetting;
 - `torch`: ppo_continuous.py's `TorchPendulum(N)` (`--env-backend torch`): the N states in one
   tensor, a step of all of them a few tensor operations, restarting ended games in the same step;

@@ -5,8 +5,8 @@ CleanRL's settings (one env, 2048 steps a rollout, minibatches of 64), in micros
 warm-up, the lesson's torch code against the NumPy path's, side by side in one process:
 1. one gradient step on 64 rows (`Trainer.gradient_step` with autograd, against
    `NumpyLearner.gradient_step` with the gradient written out); and within it the global gradient
-   clip and Adam's step (`clip_grad_norm_` and `Adam.step`, against `NumpyLearner.clip_and_step` on
-   the flat arrays);
+   clip and Adam's step (`clip_grad_norm_` and `torch.optim.Adam.step`, against
+   `NumpyLearner.clip_and_step` on the flat arrays);
 2. the policy and the statistics of one step for one game (`Model.act`, `RunningMeanStd.normalize`
    and `RunningMeanStd.scale`, against `numpy_mlp` twice, the Gaussian sample, `numpy_normalize`
    and `numpy_merge`);

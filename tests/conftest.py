@@ -135,8 +135,9 @@ def assert_numpy_learner_steps_as_the_lesson(module, lesson_model, config, minib
     for name, param in lesson_model.named_parameters():
         torch.testing.assert_close(numpy_model.state_dict()[name], param, rtol=1e-4, atol=1e-6)
         assert not torch.equal(param, start[name])
-    for kind in ("exp_avg", "exp_avg_sq"):
-        for mine, theirs in zip(getattr(numpy_trainer.optimizer, kind),
-                                getattr(lesson.optimizer, kind)):
-            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-8)
-    assert numpy_trainer.optimizer.steps == lesson.optimizer.steps == steps
+    mine, theirs = numpy_trainer.optimizer.state_dict(), lesson.optimizer.state_dict()  # Adam's
+    assert mine["state"].keys() == theirs["state"].keys() == set(range(len(list(lesson_model.parameters()))))
+    for index, state in theirs["state"].items():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(mine["state"][index][kind], state[kind], rtol=1e-4, atol=1e-8)
+        assert mine["state"][index]["step"].item() == state["step"].item() == steps

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import gymnasium as gym
 import numpy as np
@@ -123,6 +124,56 @@ def test_gaussian_log_prob_and_entropy_match_torch_distributions():
     assert torch.equal(pc.Model(5, 3).log_std, torch.zeros(1, 3))  # sigma starts at 1
 
 
+# ----- the loss, by hand -------------------------------------------------------------------------
+
+
+# A minibatch of 3 steps with advantages 1, 2, 3 and probability ratios 1, 1.5, 0.5 (clip 0.2). Normalised
+# per minibatch (37 details, #7) the advantages are -1, 0, 1 (mean 2, std 1), and the clipped surrogate,
+# -min(rho A, clip(rho) A) per step, is: step 0: -min(-1, -1) = 1; step 1: 0; step 2: -min(0.5, 0.8) = -0.5;
+# its mean 0.5 / 3. Unnormalised it would be -(1 + 2.4 + 1.5) / 3 = -1.633 (step 1: -min(3, 2.4) = -2.4).
+ADVANTAGES, RATIOS = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 1.5, 0.5])
+POLICY_LOSS = 0.5 / 3
+APPROX_KL = ((1.5 - 1 - math.log(1.5)) + (0.5 - 1 - math.log(0.5))) / 3  # mean of (rho - 1) - log rho
+CLIP_FRACTION = 2 / 3  # |rho - 1| > 0.2 at steps 1 and 2
+
+
+def test_the_lessons_ppo_loss_against_hand_computed_values():
+    config = pc.Config(clip_coef=0.2, ent_coef=0.01, vf_coef=0.5, clip_value_loss=False)
+    new_log_probs = torch.tensor([-1.0, -2.0, -0.5])
+    new_values, returns = torch.tensor([0.5, 1.0, -1.0]), torch.tensor([1.5, 0.0, 1.0])
+    minibatch = pc.Minibatch(torch.zeros(3, 2), torch.zeros(3, 1), new_log_probs - RATIOS.log(),
+                             ADVANTAGES, returns, torch.zeros(3))
+    entropy = torch.tensor([1.0, 2.0, 3.0])  # mean 2
+    loss, stats = pc.Trainer.ppo_loss(minibatch, new_log_probs, entropy, new_values, config)
+    value_loss = 0.5 * (1 + 1 + 4) / 3  # half the mean squared error to the returns: 1
+    assert stats["policy_loss"].item() == pytest.approx(POLICY_LOSS, rel=1e-6)
+    assert stats["value_loss"].item() == pytest.approx(value_loss, rel=1e-6)
+    assert stats["entropy"].item() == pytest.approx(2.0)
+    assert stats["approx_kl"].item() == pytest.approx(APPROX_KL, rel=1e-5)
+    assert stats["clip_fraction"].item() == pytest.approx(CLIP_FRACTION)
+    assert loss.item() == pytest.approx(POLICY_LOSS - 0.01 * 2.0 + 0.5 * value_loss, rel=1e-6)
+
+
+def test_the_numpy_learners_loss_against_the_same_hand_computed_values():
+    # NumpyLearner computes the loss from the model itself: its minibatch gets the old log-probabilities
+    # that give these ratios, and returns 1, -1, 2 away from the values (value loss 0.5 * 6 / 3 = 1).
+    torch.manual_seed(0)
+    model, config = pc.Model(2, 1), pc.Config(clip_coef=0.2, ent_coef=0.01, vf_coef=0.5)
+    obs, actions = torch.randn(3, 2), torch.randn(3, 1)
+    with torch.no_grad():
+        new_log_probs, _, values = model.evaluate_actions(obs, actions)
+    minibatch = pc.Minibatch(obs, actions, new_log_probs - RATIOS.log(), ADVANTAGES,
+                             values + torch.tensor([1.0, -1.0, 2.0]), values)
+    learner = pc.NumpyLearner(types.SimpleNamespace(model=model, trainer=pc.Trainer(model, config),
+                                                    config=config))
+    stats = learner.gradient_step(minibatch)  # the diagnostics of the loss before the step
+    assert stats["policy_loss"].item() == pytest.approx(POLICY_LOSS, rel=1e-5)
+    assert stats["value_loss"].item() == pytest.approx(1.0, rel=1e-5)
+    assert stats["entropy"].item() == pytest.approx(0.5 + 0.5 * math.log(2 * math.pi))  # sigma 1
+    assert stats["approx_kl"].item() == pytest.approx(APPROX_KL, rel=1e-4)
+    assert stats["clip_fraction"].item() == pytest.approx(CLIP_FRACTION)
+
+
 # ----- running statistics ---------------------------------------------------------------------------
 
 
@@ -223,7 +274,7 @@ def test_the_checkpoint_holds_the_statistics_eval_freezes_them_and_resume_restor
     saved = checkpoint["normalizer"]
     # Every observation the policy was given counts: the first of each game, then one per step.
     assert saved["obs"]["count"].item() == pytest.approx(1e-4 + 4 * (1 + 2 * 32))
-    assert torch.equal(saved["obs"]["mean"], main.obs_stats.mean)
+    assert torch.equal(saved["obs"]["mean"], main.model.obs_stats.mean)
     assert saved["return"]["count"].item() == pytest.approx(1e-4 + 2 * BATCH)
 
     # --eval normalises with the saved statistics, and never updates them.
@@ -249,11 +300,11 @@ def test_the_checkpoint_holds_the_statistics_eval_freezes_them_and_resume_restor
     # --resume continues from the saved statistics.
     resumed = pc.Main(pc.Config(resume=str(run_dir / "checkpoint.pt"), total_timesteps=3 * BATCH))
     resumed.run()
-    assert resumed.obs_stats.count == pytest.approx(1e-4 + 4 * (2 + 3 * 32))
+    assert resumed.model.obs_stats.count == pytest.approx(1e-4 + 4 * (2 + 3 * 32))
     assert checkpoint_of(run_dir)["global_step"] == 3 * BATCH
 
 
-@pytest.mark.parametrize("backend", ["gym", "torch"])
+@pytest.mark.parametrize("backend", ["game", "torch"])
 def test_same_seed_same_weights_and_statistics_on_the_cpu(backend, tmp_path):
     def final(name, seed):
         config = pc.Config(seed=seed, total_timesteps=3 * BATCH, env_backend=backend,
@@ -329,10 +380,155 @@ def test_the_numpy_path_plays_and_learns_as_the_lesson(tmp_path, monkeypatch):
         torch.testing.assert_close(numpy_main.model.state_dict()[name], param, rtol=1e-4,
                                    atol=1e-5)
     for stats in ("obs_stats", "return_stats"):
-        mine, theirs = getattr(numpy_main, stats), getattr(lesson_main, stats)
+        mine, theirs = getattr(numpy_main.model, stats), getattr(lesson_main.model, stats)
         assert mine.count == theirs.count
         torch.testing.assert_close(mine.mean, theirs.mean)
         torch.testing.assert_close(mine.var, theirs.var)
+
+
+def test_lesson_digest_is_the_digest_of_the_shipped_lesson():
+    # A change to a definition the NumPy path stands in for turns the path off (the lesson's torch code
+    # runs, as edited) until LESSON_DIGEST is renewed, which only the NumPy path's equality tests allow.
+    digests = pc.lesson_digest()
+    assert list(digests) == list(pc.NUMPY_STANDS_IN_FOR) and None not in digests.values()
+    assert digests == pc.LESSON_DIGEST, (
+        "the lesson's definitions that the NumPy path stands in for changed: run the NumPy-vs-lesson "
+        "equality tests (python -m pytest tests/test_continuous.py -k numpy), make them pass, then renew "
+        "LESSON_DIGEST in ppo_continuous.py with this value:\nLESSON_DIGEST = "
+        + json.dumps(digests, indent=4) + "\n")
+
+
+def a_main_of_one_rank_on_the_cpu():
+    """What use_numpy_on_cpu reads of a Main whose RunGuard is set up, alone on the CPU."""
+    model, config = pc.Model(3, 1), pc.Config(device="cpu")
+    guard = types.SimpleNamespace(device=CPU, ranks=types.SimpleNamespace(world_size=1))
+    return types.SimpleNamespace(model=model, trainer=pc.Trainer(model, config), config=config,
+                                 guard=guard)
+
+
+@pytest.mark.parametrize("changed,line", [
+    ({}, "learner: NumPy fast path, equal to the lesson's (tests/test_continuous.py; --no-numpy-on-cpu "
+         "runs the lesson's torch code)"),
+    ({"Trainer": "0" * 64}, "learner: the lesson's torch code: Trainer differs from the shipped lesson "
+                            "(the NumPy fast path steps aside)"),
+    ({"Model": "0" * 64, "Main.collect_rollout": None},
+     "learner: the lesson's torch code: Model, Main.collect_rollout differ from the shipped lesson (the "
+     "NumPy fast path steps aside)"),
+])
+def test_the_numpy_path_runs_only_while_the_lesson_is_the_shipped_one(changed, line, monkeypatch):
+    monkeypatch.setattr(pc, "LESSON_DIGEST", {**pc.LESSON_DIGEST, **changed})
+    main = a_main_of_one_rank_on_the_cpu()
+    lesson_step = main.trainer.gradient_step
+    assert pc.use_numpy_on_cpu(main) == line
+    assert (main.trainer.gradient_step == lesson_step) == bool(changed)  # the NumPy step only if equal
+    assert hasattr(main, "estimate_advantages") != bool(changed)
+
+
+def test_a_lesson_whose_source_cannot_be_read_runs_its_torch_code(monkeypatch):
+    def no_source(definition):
+        raise OSError("could not get source code")  # as in a notebook's cell
+
+    monkeypatch.setattr(pc.inspect, "getsource", no_source)
+    assert set(pc.lesson_digest().values()) == {None}
+    main = a_main_of_one_rank_on_the_cpu()
+    assert pc.use_numpy_on_cpu(main) == ("learner: the lesson's torch code: its source cannot be read here "
+                                         "(the NumPy fast path steps aside)")
+    assert not hasattr(main, "estimate_advantages")
+
+
+@pytest.mark.parametrize("settings,learner,engine", [
+    ({}, "learner: NumPy fast path, equal to the lesson's", "engine: the lesson's Game, 4 in this process"),
+    ({"numpy_on_cpu": False, "num_workers": 2}, "learner: the lesson's torch code",
+     "engine: the lesson's Game, 2 per Worker in 2 child processes"),
+    ({"env_backend": "torch"}, "learner: NumPy fast path, equal to the lesson's",
+     "engine: the torch Pendulum (Pendulum-v1 in tensors, the same game as Game: tests/test_continuous.py); "
+     "--env-backend game plays the lesson's Game"),
+])
+def test_the_start_up_lines_name_the_learner_and_the_engine(settings, learner, engine, tmp_path, capsys):
+    pc.Main(pc.Config(total_timesteps=BATCH, run_dir=str(tmp_path), **{**SMALL, **settings})).run()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("learner: ")][0].startswith(learner), lines
+    assert [line for line in lines if line.startswith("engine: ")] == [engine], lines
+
+
+def test_a_lesson_whose_loss_is_zero_runs_as_edited_and_does_not_learn(tmp_path):
+    # Issue 35: a reader's edit to the lesson takes effect. A copy whose PPO loss is multiplied by 0 runs
+    # the lesson's torch code (its Trainer differs from the shipped one) and stays at a random policy's
+    # returns, while the shipped file learns, both with the defaults and seed 1 for 40 rollouts
+    # (measured: -1235 and -813; a random policy scores about -1200).
+    source = (ROOT / "ppo_continuous.py").read_text()
+    end_of_loss = '        return loss, {"policy_loss"'
+    assert source.count(end_of_loss) == 1
+    edited = tmp_path / "ppo_continuous.py"
+    edited.write_text(source.replace(end_of_loss, "        loss = 0 * loss\n" + end_of_loss))
+    processes = {name: subprocess.Popen(
+        [sys.executable, str(script), "--total-timesteps", str(40 * 1024), "--run-dir", str(tmp_path / name)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, script in (("shipped", ROOT / "ppo_continuous.py"), ("zero", edited))}
+    results = {name: process.communicate(timeout=600) for name, process in processes.items()}
+    for name, process in processes.items():
+        assert process.returncode == 0, results[name][1]
+    learner = {name: [line for line in stdout.splitlines() if line.startswith("learner: ")]
+               for name, (stdout, _) in results.items()}
+    assert learner["shipped"][0].startswith("learner: NumPy fast path, equal to the lesson's")
+    assert learner["zero"] == ["learner: the lesson's torch code: Trainer differs from the shipped lesson "
+                               "(the NumPy fast path steps aside)"]
+    returns = {name: json.loads((tmp_path / name / "summary.json").read_text())["mean_return_100"]
+               for name in processes}
+    assert returns["zero"] < -1100 and returns["shipped"] > -1000, returns
+
+
+def test_the_lesson_alone_trains_the_network_the_whole_file_trains_with_the_lessons_torch_code(tmp_path):
+    # The file cut at the banner, run as a pasted notebook cell: it defines everything it uses, and its
+    # plain Run (the Games in one Worker) trains bitwise the network, and the running statistics, of the
+    # whole file's --no-numpy-on-cpu (RunGuard, the Games in this process).
+    source = (ROOT / "ppo_continuous.py").read_text()
+    namespace = {"__name__": "lesson"}
+    exec(compile(source[:source.index("\n# ==== Below")], "lesson", "exec"), namespace)
+    settings = dict(seed=3, total_timesteps=2 * BATCH, **SMALL)
+    alone, threads = namespace["Main"](namespace["Config"](**settings)), torch.get_num_threads()
+    torch.set_num_threads(1)  # as RunGuard sets it (two threads may split a sum's terms otherwise)
+    try:
+        summary = alone.run()
+    finally:
+        torch.set_num_threads(threads)
+    assert {"script", "env", "seed", "steps", "seconds", "episodes", "mean_return_100",
+            "solved_step"} <= set(summary)
+    assert summary["steps"] == 2 * BATCH and summary["script"] == "ppo_continuous"
+    assert "RunGuard" not in namespace and isinstance(alone.guard, namespace["Run"])
+    whole = pc.Main(pc.Config(**settings, numpy_on_cpu=False, run_dir=str(tmp_path)))
+    whole.run()
+    for key, value in whole.model.state_dict().items():
+        assert torch.equal(alone.model.state_dict()[key], value), key
+    for name in ("mean", "var", "count"):
+        assert torch.equal(getattr(alone.model.obs_stats, name), getattr(whole.model.obs_stats, name))
+    assert not torch.equal(alone.model.actor[0].weight, namespace["Model"](3, 1).actor[0].weight)
+
+
+def test_a_checkpoint_of_the_hand_written_adam_and_the_gym_backend_resumes_as_a_new_one(tmp_path):
+    # Before torch.optim.Adam, checkpoints held the hand-written Adam's "steps", "lr", "exp_avg" and
+    # "exp_avg_sq", and --env-backend was called gym: such a checkpoint resumes exactly as the same one
+    # in today's form.
+    pc.Main(pc.Config(total_timesteps=2 * BATCH, run_dir=str(tmp_path / "new"), **SMALL)).run()
+    checkpoint = checkpoint_of(tmp_path / "new")
+    state = checkpoint["optimizer"]["state"]
+    assert checkpoint["config"]["env_backend"] == "game" and state[0]["step"].item() == 2 * 2 * 2
+    checkpoint["optimizer"] = {"steps": int(state[0]["step"]),
+                               "lr": checkpoint["optimizer"]["param_groups"][0]["lr"],
+                               "exp_avg": [state[i]["exp_avg"] for i in sorted(state)],
+                               "exp_avg_sq": [state[i]["exp_avg_sq"] for i in sorted(state)]}
+    checkpoint["config"]["env_backend"] = "gym"
+    (tmp_path / "old").mkdir()
+    torch.save(checkpoint, tmp_path / "old" / "checkpoint.pt")
+    for name in ("new", "old"):
+        pc.Main(pc.Config(resume=str(tmp_path / name), total_timesteps=3 * BATCH)).run()
+    new, old = checkpoint_of(tmp_path / "new"), checkpoint_of(tmp_path / "old")
+    assert old["config"]["env_backend"] == "game" and old["global_step"] == 3 * BATCH
+    for key, value in new["model"].items():
+        assert torch.equal(old["model"][key], value), key
+    for index, value in new["optimizer"]["state"].items():
+        assert old["optimizer"]["state"][index]["step"].item() == value["step"].item() == 3 * 2 * 2
+        assert torch.equal(old["optimizer"]["state"][index]["exp_avg_sq"], value["exp_avg_sq"])
 
 
 # ----- the command line -------------------------------------------------------------------------------
