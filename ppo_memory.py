@@ -1,18 +1,16 @@
 """PPO with memory, for games whose observation hides part of the state, in one file.
 
 Proximal Policy Optimization (Schulman et al., 2017: "PPO paper") with the details of CleanRL and
-SB3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details"; its "LSTM details")
-named where used.
+SB3 ("The 37 Implementation Details of PPO", Huang et al., 2022: "37 details"; its "LSTM details").
 
 The idea. PPO plays a batch of games (a "rollout") with the current policy, learns from it for
 several epochs, and keeps the new policy near the one that played by clipping the probability
 ratio rho_t = pi(a_t | h_t) / pi_old(a_t | h_t) (`Trainer.ppo_loss` derives it); the advantage
-A_t, how much better a_t did than the value V(h_t) expected, comes from GAE (`compute_gae` derives
-it). Stateless CartPole (the default) hides the velocities: the policy acts on the history
-h_t = (o_1, a_1, r_1, ..., o_t), which --memory keeps as the last step alone (none), the last k
-steps side by side (framestack), a state carried from step to step (lstm, gru) or a gated
-Transformer-XL block over the last M steps (attention). rho_t is right only if training sees
-what the rollout saw.
+A_t, how much better a_t did than the value V(h_t) expected, comes from GAE (`compute_gae`).
+Stateless CartPole (the default) hides the velocities: the policy acts on the history h_t =
+(o_1, a_1, r_1, ..., o_t), which --memory keeps as the last step alone (none), the last k steps
+side by side (framestack), a state carried along (lstm, gru) or a gated Transformer-XL block over
+the last M steps (attention). rho_t is right only if training sees what the rollout saw.
 
 Run it:         python ppo_memory.py --memory lstm   (stateless CartPole; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_memory.py   (data parallel: `Ranks`)
@@ -25,8 +23,9 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
-import sys
+import time
 import typing
+from collections import deque
 from typing import Optional
 
 SCRIPT = "ppo_memory"
@@ -37,10 +36,10 @@ def option(default, help, check=None, choices=None):  # a Config field, its --he
                              metadata={"help": help, "check": check, "choices": choices})
 
 
-# Each kind's own settings, for the fields Config leaves at None (measured: benchmarks/README.md).
-# lstm, gru and attention have a memory each for actor and critic and scale their rewards (unscaled,
-# with value targets of 50-100, no setting tried met every seed of both games); lstm and gru look
-# further ahead (gamma 0.99: at 0.98 a cart drifting off after ~150 steps went unseen).
+# Each kind's own settings, for the fields Config leaves at None (benchmarks/README.md): lstm, gru
+# and attention scale their rewards (unscaled, with value targets of 50-100, no setting met every
+# seed of both games); lstm and gru look further ahead (gamma 0.99: at 0.98 a cart drifting off
+# after ~150 steps went unseen).
 KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
                "vf_coef", "gamma", "scale_rewards")
 KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
@@ -71,21 +70,19 @@ class Config:
     max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
     target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
     hidden_size: Optional[int] = option(None, "units of MLP layers and memory", "> 0")
-
     # Memory (the default kind solves stateless CartPole fastest: benchmarks/README.md).
     memory: str = option("framestack", "what the policy remembers", choices=tuple(KIND_DEFAULTS))
     frame_stack: int = option(4, "with --memory framestack: steps the policy sees", "> 0")
     attention_span: int = option(16, "with --memory attention: steps each step attends to", "> 0")
     prev_action_reward: bool = option(True, "give the model the previous action and reward too")
     normalize_observations: bool = option(True, "scale observations by a running mean and std")
+    obs_clip: float = option(10.0, "clip normalised observations to +-this", "> 0")
     scale_rewards: Optional[bool] = option(None, "divide rewards by the running std of the return")
-
     # Collecting experience.
     env: str = option("StatelessCartPole-v1", "gymnasium id (popgym-* too): Discrete actions")
     num_envs: int = option(64, "games played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
     num_steps: Optional[int] = option(None, "steps per game in each rollout", "> 0")
-
     # The run.
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
     total_timesteps: int = option(200_000, "environment steps over all envs (and all ranks)", "> 0")
@@ -102,22 +99,26 @@ class Config:
     compile: bool = option(False, "torch.compile the loss (off: it takes longer than it saves)")
 
 
+def with_kind_defaults(config: Config) -> Config:
+    """The config with each field left at None set to its --memory kind's value."""
+    chosen = {name: value for name, value in KIND_DEFAULTS.get(config.memory, {}).items()
+              if getattr(config, name) is None}  # (an unknown kind: refused below the banner)
+    return dataclasses.replace(config, **chosen)
+
+
 def parse_config(argv=None) -> Config:
     """A flag per Config field, read before torch is imported (2 s): --help answers at once."""
     flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
-
     def refuse(message: str):
         typed = [word for word in message.split() if word.startswith("--")]
         close = difflib.get_close_matches(typed[0], flags, n=1) if typed else []
         hint = f"; did you mean {close[0]}?" if close and "unrecognized" in message else ""
         parser.exit(2, f"error: {message}{hint}\n")
-
     def whole_number(text: str) -> int:  # 1e6 and 1_000_000 are whole numbers too
         with contextlib.suppress(ValueError):
             if (number := float(text.replace("_", ""))).is_integer():
                 return int(number)
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = refuse
@@ -143,13 +144,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-# The partially observed games: classic-control games with their velocities hidden (a velocity is
-# the change between two observations: only a policy that remembers can know it). id -> (the full
-# game, the entries of its observation that stay); the game's time limit stays.
-STATELESS_ENVS = {
-    "StatelessCartPole-v1": ("CartPole-v1", [0, 2]),  # cart position, pole angle
-    "StatelessAcrobot-v1": ("Acrobot-v1", [0, 1, 2, 3]),  # cos and sin of both angles
-}
+# The partially observed games: classic-control games without their velocities (a velocity is the
+# change between two observations: only a memory can know it). id -> (the game, the entries kept).
+STATELESS_ENVS = {"StatelessCartPole-v1": ("CartPole-v1", [0, 2]),  # cart position, pole angle
+                  "StatelessAcrobot-v1": ("Acrobot-v1", [0, 1, 2, 3])}  # cos, sin of both angles
 
 
 def make_stateless_env(base: str, keep: list, **kwargs) -> gym.Env:
@@ -173,20 +171,16 @@ class Game:
     observation, the ended one's last in `info["final_obs"]`, its return and length in `info`."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        register_stateless_envs()
-        # (render_mode only when asked for: an env that cannot draw need not accept it)
+        register_stateless_envs()  # (render_mode, for --video, only if asked: not every env has it)
         self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
         self.seed, self.first_action = seed, self.env.action_space.start
-        self.render, self.close = self.env.render, self.env.close  # (--video draws the env)
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the env's own random stream.
-        obs, _ = self.env.reset(seed=self.seed)
+        obs, _ = self.env.reset(seed=self.seed)  # seeded once; restarts continue its stream
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0
         return gym.spaces.flatten(self.env.observation_space, obs).astype(np.float32)
 
-    def step(self, action: int):
-        # (The model counts choices from 0, the env from its action space's start.)
+    def step(self, action: int):  # (the model counts actions from 0, the env from its `start`)
         obs, reward, terminated, truncated, _ = self.env.step(action + self.first_action)
         obs, info = gym.spaces.flatten(self.env.observation_space, obs).astype(np.float32), {}
         self.episode_return += reward
@@ -197,10 +191,19 @@ class Game:
         return obs, np.float32(reward), terminated, truncated, info
 
 
+class StepResult(typing.NamedTuple):
+    """What one step of all the games gives the trainer, besides the observations."""
+
+    rewards: np.ndarray  # [num_envs]
+    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game (the pole fell)
+    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
+    final_obs: dict  # env index -> the last observation of the episode that ended there
+    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
+
+
 class Worker:
-    """Runs several Games in a child process, so that games play on several cores. The trainer
-    sends actions through a pipe; the child answers with rewards, flags and ended episodes.
-    Observations, the one large array, skip the pipe: they go into shared memory (`obs_view`)."""
+    """Plays several Games in a child process (on a core of its own): actions go down a pipe, the
+    rest comes back; observations, the one large array, skip the pipe (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -219,10 +222,10 @@ class Worker:
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game (observations into `obs_out`): rewards, end flags, ended episodes."""
-        rewards = np.zeros(len(games), dtype=np.float32)
+        """Step each Game (observations into obs_out): rewards, terminated (the pole fell) and
+        truncated (a time limit cut it), and by game index: final_obs and episode of ended ones."""
+        rewards, final_obs, episodes = np.zeros(len(games), dtype=np.float32), {}, {}
         terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
-        final_obs, episodes = {}, {}
         for i, game in enumerate(games):
             obs_out[i], rewards[i], terminated[i], truncated[i], info = game.step(actions[i])
             if "episode" in info:
@@ -235,11 +238,18 @@ class Worker:
         while (command := conn.recv())[0] == "step":
             conn.send(("ok", self.step_games(games, command[1], obs_view)))
 
+    def step(self, actions: np.ndarray) -> StepResult:  # step_games' answer, from the child
+        self.send_step(actions)
+        return StepResult(*self.receive())
+
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
 
-    def receive(self) -> tuple:  # the last send_step's result; observations are in obs_view
+    def receive(self) -> tuple:  # the child's answer (observations: in obs_view)
         return self.trainer_end.recv()[1]
+
+    def observations(self) -> torch.Tensor:  # the Games' current observations (shared memory)
+        return torch.from_numpy(self.obs_view)
 
     def close(self):
         self.trainer_end.send(("close", None))
@@ -258,10 +268,10 @@ def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
 class RunningMeanStd:
     """Running mean and variance of each observation entry, to normalise them (37 details,
     continuous-action #6: an angle of 0.05 rad beside a one-hot action of 1 would barely move a
-    cell's gates), and of the discounted return, to scale the rewards (#8). A view of the Model's
-    buffers, merged with each rollout's numbers by Chan et al.'s (1979) formula, exact for any
-    split: with delta = mean_b - mean_a and n = n_a + n_b,
-        mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n"""
+    cell's gates), and of the discounted return, to scale the rewards (#8): a view of the Model's
+    buffers, merged with each rollout by Chan et al.'s (1979) formula, exact for any split (delta =
+    mean_b - mean_a, n = n_a + n_b): mean = mean_a + delta n_b / n,
+    var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n"""
 
     def __init__(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
         self.mean, self.var, self.count = mean, var, count
@@ -282,16 +292,16 @@ class RunningMeanStd:
     def scale(self, numbers: torch.Tensor) -> torch.Tensor:  # divided by the std, not centred
         return numbers / (self.var + 1e-8).sqrt()
 
-    def normalize(self, obs: torch.Tensor) -> torch.Tensor:  # clipped (continuous-action #7)
-        return self.scale(obs - self.mean).clamp(-10.0, 10.0)
+    def normalize(self, obs: torch.Tensor, clip: float) -> torch.Tensor:  # continuous-action #7
+        return self.scale(obs - self.mean).clamp(-clip, clip)
 
 
 def encode_inputs(model: "Model", obs, prev_actions=None, prev_rewards=None, new_episode=None):
-    """The model's input rows x_t = [o_t, one-hot(a_(t-1)), r_(t-1)]: what the policy saw, did and
-    got, zeros for the last two at an episode's first step (`new_episode`; all without
-    prev_actions). o_t is normalised here, once: the rollout and training read the same rows."""
+    """The model's input rows x_t = [o_t, one-hot(a_(t-1)), r_(t-1)], the last two 0 where an
+    episode starts (`new_episode`, or no prev_actions); o_t normalised once, for rollout and
+    training alike."""
     if model.config.normalize_observations:
-        obs = model.obs_stats.normalize(obs)
+        obs = model.obs_stats.normalize(obs, model.config.obs_clip)
     if not model.config.prev_action_reward:
         return obs
     if prev_actions is None:
@@ -344,11 +354,10 @@ class GRUGate(nn.Module):
 
 class GatedAttention(nn.Module):
     """--memory attention: a linear+tanh encoder and one block of the Gated Transformer-XL (GTrXL,
-    Parisotto et al., 2020), each step the query over its window of the last M steps, never across
-    an episode start (the window mask); positions relative to the step; pre-LayerNorm; a `GRUGate`
-    where a Transformer adds the residual. No state: the window of stored rows is the memory, and
-    training re-encodes it with the current weights, so the ratio starts at exactly 1 (CleanRL's
-    ppo_trxl caches each layer's states, stale after one epoch)."""
+    Parisotto et al., 2020): each step queries its window of the last M steps, never across an
+    episode start; positions relative to the step; pre-LayerNorm; a `GRUGate` for the residual.
+    No state: training re-encodes the stored rows with the current weights, so the ratio starts at
+    exactly 1 (CleanRL's ppo_trxl caches each layer's states, stale after one epoch)."""
 
     def __init__(self, input_size: int, size: int, span: int, heads: int = 4):
         super().__init__()
@@ -405,13 +414,12 @@ class RecurrentCell(nn.Module):
 
 
 class Model(nn.Module):
-    """The actor-critic with memory, over steps of a batch of envs: `inputs` [L, B, D] (rows of
-    `encode_inputs`), `starts` [L, B] (1 where an episode starts), `memory` (the states before the
-    first row: the actor's (h, c) and the critic's for lstm, (h,) each for gru, () otherwise). none,
-    framestack: the last 1 or k rows side by side into separate 64-64 tanh MLPs (37 details, #13);
-    lstm, gru, attention: a RecurrentCell (GatedAttention) each for actor and critic, linear heads,
-    as in sb3-contrib's RecurrentPPO (a shared lstm or gru cell, pulled by the value loss too,
-    fails StatelessAcrobot)."""
+    """The actor-critic with memory, over `inputs` [L, B, D] (rows of `encode_inputs`), `starts`
+    [L, B] (1 where an episode starts) and `memory` (the state before the first row: the actor's
+    (h, c) and the critic's for lstm, (h,) each for gru, () otherwise). none, framestack: the last 1
+    or k rows side by side into separate 64-64 tanh MLPs (37 details, #13); lstm, gru, attention:
+    a RecurrentCell (GatedAttention) each for actor and critic, as sb3-contrib's RecurrentPPO (one
+    shared cell, pulled by the value loss too, fails StatelessAcrobot). It holds the statistics."""
 
     def __init__(self, obs_size: int, num_actions: int, config: Config):
         super().__init__()
@@ -436,23 +444,22 @@ class Model(nn.Module):
             else RecurrentCell(self.kind, self.input_size, hidden) for _ in range(2))
         self.critic, self.actor = layer(hidden, 1, gain=1.0), layer(hidden, num_actions, gain=0.01)
 
-    @property
-    def obs_stats(self) -> RunningMeanStd:
-        return RunningMeanStd(self.obs_mean, self.obs_var, self.obs_count)
+    def statistics(self, name: str) -> RunningMeanStd:  # a view of its buffers name_mean, ...
+        buffers = (getattr(self, f"{name}_{part}") for part in ("mean", "var", "count"))
+        return RunningMeanStd(*buffers)
 
-    @property
-    def return_stats(self) -> RunningMeanStd:
-        return RunningMeanStd(self.return_mean, self.return_var, self.return_count)
+    obs_stats = property(lambda self: self.statistics("obs"))  # o_t's, to normalise them
+    return_stats = property(lambda self: self.statistics("return"))  # R_t's, to scale rewards
 
     def initial_memory(self, batch: int, device=None) -> tuple:  # zeros (LSTM details, #2)
         hidden, count = self.config.hidden_size, {"lstm": 4, "gru": 2}.get(self.kind, 0)
         return tuple(torch.zeros(batch, hidden, device=device) for _ in range(count))
 
     def remember(self, inputs: torch.Tensor, starts: torch.Tensor, memory: tuple):
-        """The features of each step: [L, B, D] rows -> ([L', B, F], the memory after the last row).
-        The rollout passes one step (and its window) and the state the games carry; training passes
-        a whole rollout and the state at its start (`Rollout.first_memory`): the cell, stepped along
-        the same rows from the same state, rebuilds the same states, now with a gradient."""
+        """Rows [L, B, D] -> (features [L', B, F], the memory after the last row). The rollout
+        passes a step (and its window) and the games' state; training, a whole rollout and its first
+        state (`Rollout.first_memory`): stepped along the same rows, the cell rebuilds the same
+        states, now with a gradient."""
         if self.stacks_frames:  # none: a window of 1
             return stack_frames(inputs, starts, self.window), memory
         half = len(memory) // 2  # the actor's state, then the critic's; their h side by side
@@ -475,8 +482,7 @@ class Model(nn.Module):
         return actions, log_prob, values, memory
 
     def evaluate_actions(self, inputs, starts, memory, actions):
-        """For the loss: the taken actions' [T, B] log-probabilities under the current policy, its
-        entropy and the values, flattened time-major."""
+        """For the loss: log pi(a_t | h_t), the entropy and V, each [T * B], time-major."""
         logits, values = self.heads(self.remember(inputs, starts, memory)[0])
         log_probs = torch.log_softmax(logits, dim=-1)
         log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
@@ -528,11 +534,9 @@ class Minibatch(typing.NamedTuple):
 
 
 class Rollout:
-    """The rollout buffer: each step as the rollout saw it. The input rows, stored once per step
-    (row `history` + step), their start flags, and `first_memory`, the recurrent state the games
-    carried into the rollout (LSTM details, #5), from which `Model.remember` rebuilds every later
-    one. For framestack and attention, the first `history` = window - 1 rows are the previous
-    rollout's last ones. A sequence is one env's whole rollout: no padding, no step masked out."""
+    """Each step as the rollout saw it: input rows stored once (row `history` + step; the first
+    window - 1 are the last rollout's), start flags, and `first_memory`, the state the games carried
+    in (LSTM details, #5). A sequence is one env's whole rollout: no padding, no step masked out."""
 
     def __init__(self, config: Config, model: Model, device: torch.device):
         self.history = model.window - 1
@@ -562,9 +566,8 @@ class Rollout:
 
 def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tensor,
                 new_start: torch.Tensor, memory: tuple) -> torch.Tensor:
-    """V of the step after rollout row `row` (input `new_input`, start flags `new_start`), seen by
-    `memory`, the state after that row, and by the window up to it: the value to bootstrap from,
-    after a rollout or a time-limit cut."""
+    """V of the step after rollout row `row` (new_input, new_start), seen by `memory` (the state
+    after that row) and the window up to it: what a rollout's end or a time-limit cut bootstraps."""
     earlier = slice(row + 2 - model.window, row + 1)
     features, _ = model.remember(torch.cat([rollout.inputs[earlier], new_input[None]]),
                                  torch.cat([rollout.starts[earlier], new_start[None]]), memory)
@@ -576,14 +579,13 @@ class Trainer:
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
-        # Adam with eps 1e-5, not 1e-8 (37 details, #3); `Adam` is torch.optim.Adam's arithmetic.
-        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        # Adam with eps 1e-5, not 1e-8 (37 details, #3).
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The PPO loss of a minibatch (negated, to be minimised) and its diagnostics, from what
-        the current weights make of it (all [batch]).
+        """The negated PPO objective of a minibatch (to be minimised) and its diagnostics.
 
         Why a ratio: the actions were drawn by pi_old, the policy that played the rollout, but the
         gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
@@ -597,8 +599,7 @@ class Trainer:
         so that a move that made things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the
         unclipped term is then the smaller one, and its gradient pulls back.
         """
-        # Advantages normalised per minibatch (37 details, #7; each rank its own under torchrun).
-        advantages = minibatch.advantages
+        advantages = minibatch.advantages  # normalised per minibatch (37 details, #7)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         # The clipped surrogate (37 details, #8), negated: the max of the negations is the min.
         log_ratio = new_log_probs - minibatch.old_log_probs
@@ -623,14 +624,14 @@ class Trainer:
         return loss, {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy_mean,
                       "approx_kl": approx_kl, "clip_fraction": clip_fraction}
 
-    def compute_loss(self, minibatch: Minibatch):
-        """The loss under the current weights (what --compile compiles), memory rebuilt and all."""
+    def compute_loss(self, minibatch: Minibatch):  # under the current weights (--compile's part)
         new_log_probs, entropy, new_values = self.model.evaluate_actions(
             minibatch.inputs, minibatch.starts, minibatch.memory, minibatch.actions)
         return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
 
     def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One gradient step on one minibatch. Returns the diagnostics as tensors (no host sync)."""
+        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
+        global norm clip, Adam. Returns the diagnostics as tensors."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -642,30 +643,99 @@ class Trainer:
         return stats
 
 
-class Main:
-    """The loop: `Main(config).run()` trains (or, with --eval, plays a checkpoint's games) and
-    returns the summary as a dict. The `RunGuard` (below the banner) sets up, logs, saves and
-    stops, so that `train` reads as PPO (37 details, #6)."""
+class Run:
+    """The plain run `Main.train` talks to: the kind's settings, seeds, device, sizes, the games,
+    progress, summary. `RunGuard` (below the banner) extends it: Ctrl-C, checkpoints, torchrun..."""
 
-    def __init__(self, config: Config):
+    solved_step = None  # the step at which --target-return was reached
+    config = property(lambda self: self.main.config)  # the run's settings
+
+    def __init__(self, main: "Main"):
+        self.main, self.games, self.summary = main, None, None
+        self.returns, self.episodes, self.updates = deque(maxlen=100), 0, 0  # the last 100
+
+    def __enter__(self) -> "Run":
+        """The kind's settings; seed torch's draws (sampling, shuffling); the device, the sizes."""
+        config = self.main.config = with_kind_defaults(self.config)
+        self.start_time, self.steps_per_step = time.perf_counter(), config.num_envs
+        torch.manual_seed(config.seed)
+        use_cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if use_cuda else "cpu")
+        env = Game(config.env, config.seed).env  # the sizes the Model is built for
+        space, actions = env.observation_space, env.action_space
+        self.obs_size, self.num_actions = gym.spaces.flatdim(space), int(actions.n)
+        env.close()
+        return self
+
+    prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
+    stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
+    mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
+    pooled = lambda self, moments, count: (moments, count)  # a batch's, pooled likewise
+
+    def start_games(self) -> Worker:
+        """All the games in one Worker, game i seeded with seed + i."""
+        obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
+        self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
+        return self.games
+
+    def after_rollout(self, ended: list):
+        """Record the (global step, episode) of the episodes that ended; note the target."""
+        target = self.config.target_return
+        for step, episode in ended:
+            self.episodes += 1
+            self.returns.append(episode["return"])
+            if (target is not None and self.solved_step is None and len(self.returns) == 100
+                    and np.mean(self.returns) >= target):
+                self.solved_step = step
+
+    def after_update(self, stats: dict):
+        """A progress line: the step, the speed, the mean return of the last 100 episodes."""
+        self.updates, step = self.updates + 1, self.main.global_step
+        speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
+        print(f"step {step:,} | {speed:,.0f} steps/s | return {mean:.1f} | updates {self.updates}")
+
+    def __exit__(self, kind, error, traceback):
+        """Close the games and keep the summary; an error goes on up."""
+        if self.games is not None:
+            self.games.close()
+        config, returns = self.config, self.returns
+        self.summary = {"script": SCRIPT, "env": config.env, "memory": config.memory,
+                        "seed": config.seed, "steps": getattr(self.main, "global_step", 0),
+                        "seconds": round(time.perf_counter() - self.start_time, 3),
+                        "episodes": self.episodes, "solved_step": self.solved_step,
+                        "mean_return_100": float(np.mean(returns)) if returns else None}
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
+        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner")
+
+
+class Main:
+    """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
+    One iteration (37 details, #6): num_steps steps in every game carrying the memory, GAE,
+    update_epochs passes in minibatches of whole env sequences."""
+
+    def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
         self.config, self.guard = config, None
+        self.anneal_from = (0, with_kind_defaults(config).learning_rate)
 
     def run(self) -> dict:
-        return evaluate_checkpoint(self.config) if self.config.eval else self.train()
+        # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
+        run_class = globals().get("RunGuard", Run)
+        return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
-    def train(self) -> dict:
-        self.guard = RunGuard(self)  # settings, seeds, Ctrl-C, failures, logging, saving
+    def train(self, run_class: type) -> dict:
+        self.guard = run_class(self)  # the kind's settings, seeds, the games, progress, summary
         with self.guard as guard:
             config = self.config  # (with the kind's defaults; the checkpoint's, when resuming)
             self.model = Model(guard.obs_size, guard.num_actions, config).to(guard.device)
             self.trainer = Trainer(self.model, config)
-            self.anneal_from = (0, config.learning_rate)  # (step, rate): a resume may move it
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
             self.games = guard.start_games()  # Workers; observations through shared memory
             self.rollout = Rollout(config, self.model, guard.device)
             # Every game starts an episode: zero memory, no previous action or reward.
             self.memory = self.model.initial_memory(config.num_envs, guard.device)
-            self.next_input = encode_inputs(self.model, self.games.observations())
+            self.next_input = encode_inputs(self.model, self.games.observations().to(guard.device))
             self.next_start = torch.ones(config.num_envs, device=guard.device)
             self.discounted_returns = torch.zeros(config.num_envs, device=guard.device)  # R_t
             while self.global_step < config.total_timesteps:
@@ -679,21 +749,19 @@ class Main:
         return guard.summary
 
     def anneal_learning_rate(self):
-        """Linear learning-rate annealing (37 details, #4), from learning_rate at step 0 to 0 at
-        the end, by the step each rollout starts at (a resume may start it from another point)."""
+        """Linear annealing (37 details, #4), from learning_rate at step 0 to 0 at the end."""
         if self.config.anneal_lr:
             start_step, start_rate = self.anneal_from
             progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
-            self.trainer.optimizer.lr = start_rate * max(0.0, 1.0 - progress)
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = start_rate * max(0.0, 1.0 - progress)
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self):
-        """Play num_steps steps in every game with the current policy, into the rollout buffer;
-        `self.memory` carries the games' recurrent states from step to step, rollout to rollout."""
+        """Play num_steps steps in every game, into the rollout, carrying the games' memory."""
         config, rollout, model, device = self.config, self.rollout, self.model, self.guard.device
         rollout.keep_history()
-        rollout.first_memory = self.memory  # LSTM details, #5: training starts from this state
-        ended = []  # (global step, statistics) of the episodes that end
+        rollout.first_memory, ended = self.memory, []  # LSTM details, #5: training starts here
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C
                 break
@@ -704,12 +772,13 @@ class Main:
                 rollout.inputs[window], rollout.starts[window], self.memory)
             rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
+            observations = self.games.observations().to(device)
             raw_rewards = torch.from_numpy(result.rewards).to(device)
             done = torch.from_numpy(result.terminated | result.truncated).to(device).float()
-            # Reward scaling (37 details, continuous-action #8): r_t / std(R), R_t = r_t + gamma
-            # R_(t-1) each game's discounted return, std(R) that of the rollouts before: values
-            # near 1 whatever the game pays, so that the value loss does not set the global clip's
-            # norm for the policy too. Not centred: a shift would change whether long episodes pay.
+            # Reward scaling (37 details, continuous-action #8): r_t / std(R) with R_t = r_t + gamma
+            # R_(t-1), std(R) that of the rollouts before: values near 1 whatever the game pays, so
+            # that the value loss does not set the global clip's norm for the policy too. Not
+            # centred: a shift would change whether long episodes pay.
             if config.scale_rewards:
                 rollout.discounted_returns[step] = returns = (self.discounted_returns * config.gamma
                                                               + raw_rewards)
@@ -721,14 +790,14 @@ class Main:
             # reward, V seen by the memory *after* this step (not a reset one); GAE then cuts there.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
-                final_obs = self.games.observations().clone()
-                final_obs[cut] = torch.tensor(np.stack([result.final_obs[i] for i in cut]),
-                                              device=device)
-                final = encode_inputs(model, final_obs, actions, raw_rewards, done * 0)
+                last_obs = observations.clone()
+                last_obs[cut] = torch.tensor(np.stack([result.final_obs[i] for i in cut]),
+                                             device=device)
+                final = encode_inputs(model, last_obs, actions, raw_rewards, done * 0)
                 rewards[cut] += config.gamma * value_after(model, rollout, row, final, done * 0,
                                                            memory)[cut]
             rollout.rewards[step], rollout.dones[step] = rewards, done
-            rollout.observations[step] = observations = self.games.observations()
+            rollout.observations[step] = observations
             # The next input: the new observation, this action and reward (zeros if it restarted).
             self.next_input = encode_inputs(model, observations, actions, raw_rewards, done)
             self.next_start, self.memory = done, memory
@@ -736,10 +805,10 @@ class Main:
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
         if config.normalize_observations:  # (hook: under torchrun, those of all ranks' batches)
-            model.obs_stats.update(rollout.observations.flatten(0, 1), self.guard.ranks.pooled)
+            model.obs_stats.update(rollout.observations.flatten(0, 1), self.guard.pooled)
         if config.scale_rewards:
             model.return_stats.update(rollout.discounted_returns.flatten()[:, None],
-                                      self.guard.ranks.pooled)
+                                      self.guard.pooled)
 
     def estimate_advantages(self):
         """GAE over the rollout: (advantages, returns), both [num_steps, num_envs]."""
@@ -753,27 +822,23 @@ class Main:
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
         """update_epochs passes over the rollout in minibatches of whole env sequences (shuffled
-        envs), one gradient step each. Returns the mean diagnostics as floats (one host sync)."""
-        config, totals, count = self.config, {}, 0
+        envs, LSTM details, #4); the mean diagnostics."""
+        config, steps = self.config, []
         envs_per_minibatch = config.num_envs // config.num_minibatches
         for epoch in range(config.update_epochs):
             order = torch.randperm(config.num_envs, device=self.guard.device)
             for start in range(0, config.num_envs, envs_per_minibatch):
-                envs = order[start:start + envs_per_minibatch]
-                minibatch = self.rollout.minibatch(envs, advantages, returns)
-                stats = self.trainer.gradient_step(minibatch)
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value.detach()
-                count += 1
-            # Early stop (37 details, #12, optional): once the policy has moved too far from the one
-            # that collected the data, further epochs would only push it beyond the trust region.
+                minibatch = self.rollout.minibatch(order[start:start + envs_per_minibatch],
+                                                   advantages, returns)
+                steps.append(self.trainer.gradient_step(minibatch))  # diagnostics, as tensors
+            # Early stop (37 details, #12, optional): the policy moved too far from the data's.
             if (config.target_kl is not None
-                    and self.guard.mean(stats["approx_kl"].item()) > config.target_kl):
+                    and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
-        stats = {key: (value / count).item() for key, value in totals.items()}
-        # Explained variance (37 details, #12): 1 - Var[R - V] / Var[R]; 0 for constant returns.
-        variance = returns.var().item()
-        unexplained = (returns - self.rollout.values).var().item()
+        stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
+                 for key in steps[0]}  # the only host sync of the update
+        # Explained variance (37 details, #12): 1 - Var[R - V] / Var[R], 1 if V predicts R.
+        variance, unexplained = returns.var().item(), (returns - self.rollout.values).var().item()
         stats["explained_variance"] = 0.0 if variance == 0 else 1 - unexplained / variance
         return stats
 
@@ -781,9 +846,9 @@ class Main:
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
 # A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on, Adam and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up,
-# Ctrl-C, failures, logging, summary); checkpoints; evaluation and video; the input checks; the
-# command line.
+# the games run on and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C,
+# failures, logging, summary), which extend the lesson's plain `Run`; checkpoints; evaluation and
+# video; the input checks; the command line.
 
 import copy
 import datetime
@@ -795,9 +860,8 @@ import multiprocessing.connection
 import os
 import random
 import signal
+import sys
 import threading
-import time
-from collections import deque
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -884,20 +948,10 @@ class InProcessWorker(Worker):
     @staticmethod
     def close_games(games: list):
         for game in games:
-            game.close()
+            game.env.close()
 
     def close(self):
         self.close_games(self.games)
-
-
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
-
-    rewards: np.ndarray  # [num_envs]
-    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game (the pole fell)
-    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
-    final_obs: dict  # env index -> the last observation of the episode that ended there
-    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
 
 
 class WorkerPool:
@@ -957,48 +1011,7 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
-# ----- Adam and compilation -----------------------------------------------------------------------
-
-
-class Adam:
-    """Adam (Kingma & Ba, 2015), computing exactly what torch.optim.Adam computes (tests/ check):
-    running averages of each gradient (m) and of its square (v), their bias towards 0 corrected,
-    each weight moved by lr * m_hat / (sqrt(v_hat) + eps). Not torch.optim.Adam: its first use
-    imports torch._dynamo, over a second of a short run (benchmarks/README.md)."""
-
-    def __init__(self, params, lr: float, eps: float = 1e-5, betas=(0.9, 0.999)):
-        self.params, self.lr, self.eps, self.betas, self.steps = list(params), lr, eps, betas, 0
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        (beta1, beta2), grads = self.betas, [p.grad for p in self.params]
-        self.steps += 1
-        # $m \leftarrow \beta_1 m + (1 - \beta_1) g$,  $v \leftarrow \beta_2 v + (1 - \beta_2) g^2$
-        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(self.exp_avg_sq, beta2)
-        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
-        # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
-        denominators = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** self.steps))
-        torch._foreach_add_(denominators, self.eps)
-        step_size = self.lr / (1 - beta1 ** self.steps)
-        torch._foreach_addcdiv_(self.params, self.exp_avg, denominators, -step_size)
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "lr": self.lr, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, state: dict):
-        self.steps, self.lr = int(state["steps"]), float(state["lr"])
-        for mine, saved in zip(self.exp_avg + self.exp_avg_sq,
-                               state["exp_avg"] + state["exp_avg_sq"]):
-            mine.copy_(saved)
+# ----- Compilation --------------------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -1167,7 +1180,7 @@ class NonFiniteLoss(RuntimeError):
 FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit status 1
 
 
-class RunGuard:
+class RunGuard(Run):
     """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
     On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
     Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
@@ -1179,8 +1192,11 @@ class RunGuard:
         self.previous_threads = torch.get_num_threads()
         self.ranks = self.games = self.log = self.summary = None
 
-    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+
+    @staticmethod
+    def evaluate(config: Config) -> dict:  # --eval
+        return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
         if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
@@ -1203,7 +1219,7 @@ class RunGuard:
         self.obs_size, self.num_actions = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
-        self.device = self.ranks.device
+        self.device, self.pooled = self.ranks.device, self.ranks.pooled  # (moments of all ranks)
         self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
@@ -1227,7 +1243,7 @@ class RunGuard:
         if self.checkpoint is not None:
             restore_learner(main, self.checkpoint)
             main.anneal_from = continued_schedule(self.checkpoint, main.config, main.global_step,
-                                                  main.trainer.optimizer.lr)
+                                                  main.trainer.optimizer.param_groups[0]["lr"])
             if self.ranks.rank > 0:  # the checkpoint holds rank 0's random state: a fresh stream
                 torch.manual_seed(self.seed + main.global_step)
         self.log.start()  # the start-up block
@@ -1348,6 +1364,13 @@ class RunLog:
                    if self.last_step != config.total_timesteps else "")
         self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
                  f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
+        self.say("learner: the lesson's torch code (Model, Trainer, compute_gae)"
+                 + (", torch.compile" if config.compile else ""))
+        workers = config.num_workers
+        self.say("engine: the lesson's Game, " + (
+            f"{config.num_envs // workers} per Worker in {workers} child processes" if workers
+            else f"{config.num_envs} in this process"))
+        self.say(f"memory: {memory_line(config)}")
         defaults = {f.name: f.default for f in dataclasses.fields(Config)}
         defaults.update(KIND_DEFAULTS[config.memory])  # (a per-kind field: its kind's value)
         changed = [(name.replace("_", "-"), getattr(config, name)) for name in defaults
@@ -1384,7 +1407,8 @@ class RunLog:
             return
         for key, value in stats.items():
             writer.add_scalar(f"losses/{key}", value, step)
-        writer.add_scalar("charts/learning_rate", self.main.trainer.optimizer.lr, step)
+        rate = self.main.trainer.optimizer.param_groups[0]["lr"]
+        writer.add_scalar("charts/learning_rate", rate, step)
         speed = self.steady_speed()
         if speed is not None:
             writer.add_scalar("charts/steps_per_second", speed, step)
@@ -1455,6 +1479,19 @@ class RunLog:
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
 
+
+def memory_line(config: Config) -> str:
+    """The start-up block's line on the memory: the kind and its settings, as resolved."""
+    each = "each for actor and critic"
+    what = {"none": "each step alone, in MLPs",
+            "framestack": f"the last {config.frame_stack} steps side by side, in MLPs",
+            "lstm": f"a cell {each}", "gru": f"a cell {each}",
+            "attention": f"a gated Transformer-XL block {each} over the last "
+                         f"{config.attention_span} steps"}[config.memory]
+    inputs = ", with the previous action and reward" if config.prev_action_reward else ""
+    return (f"{config.memory}, {what}, {config.hidden_size} units, sequences of "
+            f"{config.num_steps} steps{inputs}")
+
 # ----- Checkpoints --------------------------------------------------------------------------------
 
 
@@ -1484,9 +1521,21 @@ def load_weights(model: Model, weights: dict, config: Config):
                          f"{str(error).splitlines()[-1].strip()}") from None
 
 
+def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
+    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
+    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+    if "exp_avg" in saved:
+        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
+        state["param_groups"][0]["lr"] = float(saved["lr"])
+        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
+                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
+        saved = state
+    optimizer.load_state_dict(saved)
+
+
 def restore_learner(main: Main, state: dict):
     load_weights(main.model, state["model"], main.config)
-    main.trainer.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer(main.trainer.optimizer, state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
@@ -1601,7 +1650,7 @@ def evaluate_checkpoint(given: Config) -> dict:
             if "episode" in info:
                 returns.append(float(info["episode"]["return"]))
     finally:
-        game.close()
+        game.env.close()
         if video is not None:
             video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
@@ -1623,7 +1672,7 @@ def write_frame(video, game: Game, path: Path):
     # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    frame = game.render()
+    frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fps = game.env.metadata.get("render_fps", 30)
@@ -1642,15 +1691,6 @@ RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or
           "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
 
 
-def with_kind_defaults(config: Config) -> Config:
-    """The config with each field left at None set to its --memory kind's value (KIND_DEFAULTS)."""
-    if config.memory not in KIND_DEFAULTS:
-        raise UsageError(f"unknown --memory {config.memory!r}: use {', '.join(KIND_DEFAULTS)}")
-    chosen = {name: value for name, value in KIND_DEFAULTS[config.memory].items()
-              if getattr(config, name) is None}
-    return dataclasses.replace(config, **chosen)
-
-
 def flattens(space: gym.spaces.Space) -> bool:
     """Whether `Game` makes a vector of it: Box, Discrete, MultiDiscrete and MultiBinary spaces (the
     discrete ones one-hot), alone or in a Tuple or Dict (POPGym's Autoencode observes a pair)."""
@@ -1664,6 +1704,8 @@ def flattens(space: gym.spaces.Space) -> bool:
 def check_settings(config: Config):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
+    if config.memory not in KIND_DEFAULTS:
+        raise UsageError(f"unknown --memory {config.memory!r}: use {', '.join(KIND_DEFAULTS)}")
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")

@@ -107,6 +107,54 @@ def test_the_framestack_gather_equals_a_naively_built_stack_across_episode_ends(
     assert torch.equal(pm.stack_frames(inputs, starts, k), naive_stacks(inputs, starts, k))
 
 
+# ----- GAE, by hand (the values of tests/test_cartpole_units.py, on this script's compute_gae) ------
+
+
+def gae(rewards, values, dones, last_value, gamma=0.9, lam=0.8):
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.float32)
+    return pm.compute_gae(as_tensor(rewards), as_tensor(values), as_tensor(dones),
+                          as_tensor(last_value), gamma, lam)
+
+
+def test_gae_without_episode_end_matches_hand_computation():
+    # deltas: 1 + .9*.4 - .5 = .86, 1 + .9*.3 - .4 = .87, 1 + .9*.2 - .3 = .88; gamma*lambda = .72
+    advantages = gae([[1], [1], [1]], [[.5], [.4], [.3]], [[0], [0], [0]], [.2])
+    expected = [[0.86 + 0.72 * (0.87 + 0.72 * 0.88)], [0.87 + 0.72 * 0.88], [0.88]]
+    assert torch.allclose(advantages, torch.tensor(expected), atol=1e-6)
+
+
+def test_gae_termination_cuts_the_sum_and_ignores_the_next_value():
+    advantages = gae([[1], [1], [1]], [[.5], [.4], [.3]], [[0], [1], [0]], [.2])
+    # step 1 ends the episode: its advantage is 1 - 0.4, and step 0 sees only that
+    assert torch.allclose(advantages, torch.tensor([[0.86 + 0.72 * 0.6], [0.6], [0.88]]),
+                          atol=1e-6)
+
+
+def test_gae_truncation_uses_the_bootstrapped_reward():
+    # truncated at step 1 with V(final obs) = 0.7: the trainer put 1 + 0.9 * 0.7 = 1.63 in rewards[1]
+    advantages = gae([[1], [1.63], [1]], [[.5], [.4], [.3]], [[0], [1], [0]], [.2])
+    assert torch.allclose(advantages, torch.tensor([[0.86 + 0.72 * 1.23], [1.23], [0.88]]),
+                          atol=1e-6)
+
+
+def test_gae_episode_end_at_the_last_step_ignores_last_value():
+    advantages = gae([[1, 1], [1, 1], [1, 1]], [[.5, .5], [.4, .4], [.3, .3]],
+                     [[0, 0], [0, 0], [0, 1]], [.2, 100.0])
+    assert torch.allclose(advantages[:, 1], torch.tensor([0.86 + 0.72 * (0.87 + 0.72 * 0.7),
+                                                          0.87 + 0.72 * 0.7, 0.7]))
+    assert torch.allclose(advantages[:, 0], torch.tensor([0.86 + 0.72 * (0.87 + 0.72 * 0.88),
+                                                          0.87 + 0.72 * 0.88, 0.88]))
+
+
+@pytest.mark.parametrize("lam,first", [(0.0, 1.0), (0.5, 1.45), (1.0, 1.9)])
+def test_gae_carries_the_next_advantage_by_gamma_times_lambda_not_gamma(lam, first):
+    # Values 0, rewards 1: both TD errors are 1, and A_0 = 1 + gamma * lambda * A_1. A recursion
+    # with gamma alone would give 1.9 whatever lambda; lambda 0 is the one-step estimate, 1 the
+    # discounted return.
+    advantages = gae([[1], [1]], [[0], [0]], [[0], [0]], [0], gamma=0.9, lam=lam)
+    assert advantages[:, 0].tolist() == pytest.approx([first, 1.0])
+
+
 # ----- minibatches of whole sequences ----------------------------------------------------------------
 
 
@@ -149,6 +197,38 @@ def test_sequence_minibatches_hold_every_step_exactly_once_and_in_order():
             assert torch.equal(minibatch.memory[0][:, 0], sequence_envs.float())
         assert sorted(envs) == list(range(8))  # each env, so each step, exactly once per epoch
     assert not all(torch.equal(seen[0].inputs, other.inputs) for other in seen[4::4])  # shuffled
+
+
+@pytest.mark.parametrize("kind", ["framestack", "lstm"])
+def test_each_field_of_a_minibatch_is_the_rollouts_at_its_envs(kind):
+    # Every field filled with its own random numbers: a field taken at the wrong envs or steps, or
+    # from another field, differs.
+    config = pm.with_kind_defaults(pm.Config(memory=kind, num_envs=6, num_steps=5))
+    model = pm.Model(2, 3, config)
+    rollout, generator = pm.Rollout(config, model, torch.device("cpu")), torch.Generator()
+    generator.manual_seed(0)
+    for name in ("inputs", "starts", "log_probs", "values"):
+        field = getattr(rollout, name)
+        field.copy_(torch.randn(field.shape, generator=generator))
+    rollout.actions.copy_(torch.randint(0, 3, rollout.actions.shape, generator=generator))
+    rollout.first_memory = tuple(torch.randn(6, config.hidden_size, generator=generator)
+                                 for _ in model.initial_memory(6))
+    advantages, returns = (torch.randn(5, 6, generator=generator) for _ in range(2))
+    envs = [4, 1, 5]
+    batch = rollout.minibatch(torch.tensor(envs), advantages, returns)
+    assert batch.inputs.shape[1] == len(envs) and len(batch.memory) == len(rollout.first_memory)
+    for j, env in enumerate(envs):  # whole sequences, the history rows before the rollout too
+        assert torch.equal(batch.inputs[:, j], rollout.inputs[:, env])
+        assert torch.equal(batch.starts[:, j], rollout.starts[:, env])
+        for state, first in zip(batch.memory, rollout.first_memory):
+            assert torch.equal(state[j], first[env])
+        for t in range(config.num_steps):  # the per-step fields, flattened time-major
+            i = t * len(envs) + j
+            assert batch.actions[t, j] == rollout.actions[t, env]
+            assert batch.old_log_probs[i] == rollout.log_probs[t, env]
+            assert batch.advantages[i] == advantages[t, env]
+            assert batch.returns[i] == returns[t, env]
+            assert batch.old_values[i] == rollout.values[t, env]
 
 
 # ----- the memory in training is the memory of the rollout -------------------------------------------
@@ -345,6 +425,12 @@ def test_command_line_checkpoint_resume_and_eval_keep_the_memory(tmp_path):
     result = run_script("--memory", "gru", "--num-envs", 8, "--num-steps", 16,
                         "--total-timesteps", 256, "--run-dir", run_dir)
     assert result.returncode == 0, result.stderr
+    # The start-up block names the learner, the engine and the memory, from the resolved settings.
+    lines = result.stdout.splitlines()
+    assert "learner: the lesson's torch code (Model, Trainer, compute_gae)" in lines
+    assert "engine: the lesson's Game, 8 in this process" in lines
+    assert "memory: gru, a cell each for actor and critic, 128 units, sequences of 16 steps, " \
+        "with the previous action and reward" in lines
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert checkpoint["memory"] == "gru" and checkpoint["config"]["memory"] == "gru"
     assert checkpoint["config"]["learning_rate"] == pm.KIND_DEFAULTS["gru"]["learning_rate"]
@@ -358,7 +444,8 @@ def test_command_line_checkpoint_resume_and_eval_keep_the_memory(tmp_path):
     assert resumed["global_step"] == 512 and resumed["config"]["memory"] == "gru"
     gru = pm.KIND_DEFAULTS["gru"]  # the gru's own epochs and minibatches, over 2 + 2 updates:
     # the resumed run went on counting Adam's steps where the first stopped
-    assert resumed["optimizer"]["steps"] == 4 * gru["update_epochs"] * gru["num_minibatches"]
+    assert resumed["optimizer"]["state"][0]["step"] == \
+        4 * gru["update_epochs"] * gru["num_minibatches"]
     result = run_script("--eval", run_dir / "checkpoint.pt", "--eval-episodes", 2)
     assert result.returncode == 0 and "over 2 episodes" in result.stdout, result.stderr
     # A checkpoint of an older script, without the reward-scaling statistics: one line, exit 2.
@@ -483,5 +570,6 @@ def test_two_ranks_under_torchrun_train_one_network(tmp_path):
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     lstm = pm.KIND_DEFAULTS["lstm"]
     assert checkpoint["updates"] == 2
-    assert checkpoint["optimizer"]["steps"] == 2 * lstm["update_epochs"] * lstm["num_minibatches"]
+    assert checkpoint["optimizer"]["state"][0]["step"] == \
+        2 * lstm["update_epochs"] * lstm["num_minibatches"]
 
