@@ -23,8 +23,6 @@ import difflib
 import functools
 import math
 import multiprocessing
-import random
-import sys
 import time
 import typing
 from collections import deque
@@ -154,18 +152,17 @@ def observed_leaves(space) -> list:  # [(path, leaf)] of the leaves that Encoder
 
 
 class Game:
-    """One gymnasium env as PPO sees it: an observation as one float32 vector (its observed leaves
-    in turn, then the action mask if the env gives one: 1 allowed, 0 forbidden), an action as one
-    float32 row (its leaves' numbers in turn). An ended episode restarts in the same step: `step`
-    returns the next one's first observation, in `info` the ended one's last ("final_obs"), return
-    and length ("episode")."""
+    """One gymnasium env as PPO sees it: an observation as one float32 vector (its observed leaves,
+    then the action mask if the env gives one: 1 allowed, 0 forbidden), an action as one float32 row
+    (its leaves' numbers). An ended episode restarts in the same step: `step` returns the next one's
+    first observation, in `info` the ended one's last ("final_obs"), return, length ("episode")."""
 
     def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
         # (render_mode only when asked for: an env that cannot draw need not accept it)
         self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
-        self.seed, self.mask_size = seed, None  # the mask's size: seen at the first reset
+        self.seed, self.close = seed, self.env.close
         self.observed = observed_leaves(self.env.observation_space)
-        self.render, self.close = self.env.render, self.env.close  # (--video draws the env)
+        self.mask_size = None  # the action mask's size: seen at the first reset
 
     def observe(self, obs, info: dict) -> np.ndarray:
         # The mask: in `info` (gymnasium's convention: Taxi-v4) or the observation (PettingZoo's);
@@ -178,8 +175,7 @@ class Game:
         return np.concatenate([np.asarray(value, np.float32).reshape(-1) for value in values])
 
     def reset(self) -> np.ndarray:
-        # Seed only the first reset: later restarts continue the env's own random stream.
-        obs, info = self.env.reset(seed=self.seed)
+        obs, info = self.env.reset(seed=self.seed)  # seeded once; restarts continue its stream
         self.seed, self.episode_return, self.episode_length = None, 0.0, 0
         return self.observe(obs, info)
 
@@ -207,10 +203,34 @@ class Game:
         return obs, reward, terminated, truncated, info
 
 
+class StepResult(typing.NamedTuple):
+    """What one step of all the games gives the trainer, besides the observations."""
+
+    rewards: np.ndarray  # [num_envs]
+    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game
+    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
+    final_obs: dict  # env index -> the last observation (as Game gives it) of its episode
+    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
+
+    @classmethod
+    def of(cls, steps: list) -> "StepResult":
+        """From each game's (reward, terminated, truncated, info), in the order of the envs."""
+        rewards, terminated, truncated, infos = zip(*steps)
+        ended = {i: info for i, info in enumerate(infos) if "episode" in info}
+        return cls(np.array(rewards, np.float32), np.array(terminated, bool),
+                   np.array(truncated, bool), {i: ended[i]["final_obs"] for i in ended},
+                   {i: ended[i]["episode"] for i in ended})
+
+
+def packed(actions: dict) -> np.ndarray:
+    """Each env's actions, leaf after leaf, in one float32 row: what Game.env_action reads."""
+    return torch.cat([action.float() for action in actions.values()], dim=-1).cpu().numpy()
+
+
 class Worker:
-    """Plays several Games in a (forked) child process, so that they run on several cores: actions
-    go through a pipe, rewards, end flags and infos come back; observations, the one large array,
-    through shared memory (`obs_view`), read as a tensor with no copy. `GuardedWorker` guards it."""
+    """Plays several Games in a (forked) child process, on a core of its own: actions go through a
+    pipe, rewards, end flags and infos come back; observations, the one large array, through shared
+    memory (`obs_view`), read as a tensor with no copy."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -230,6 +250,13 @@ class Worker:
             steps = [game.step(action) for game, action in zip(games, command[1])]
             obs_view[:] = [obs for obs, *_ in steps]
             conn.send(("ok", [rest for _, *rest in steps]))
+
+    def step(self, actions: dict) -> StepResult:  # its Games' step
+        self.send_step(packed(actions))
+        return StepResult.of(self.receive())
+
+    def observations(self) -> torch.Tensor:  # its Games' current ones (shared memory: no copy)
+        return torch.from_numpy(self.obs_view)
 
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
@@ -337,8 +364,7 @@ class ActionHead(nn.Module):
             space.nvec).tolist() if self.maskable else [2] * int(np.prod(space.shape)))
         self.width, self.num_choices, self.dtype = len(choices), max(choices), torch.long
         self.size, self.mask_size = self.width * self.num_choices, sum(choices)
-        # Choice c of dimension d is column first[d] + c of the leaf's mask; a missing choice points
-        # past the end, at a 0 (forbidden).
+        # Choice c of dimension d is mask column first[d] + c; a missing choice, a 0 past the end.
         first = np.cumsum(choices) - choices
         self.register_buffer("mask_index", torch.tensor(
             [[first[d] + c if c < n else self.mask_size for c in range(self.num_choices)]
@@ -395,12 +421,11 @@ class RunningMeanStd(nn.Module):
 
 
 class Model(nn.Module):
-    """The actor-critic for a nest of spaces: the observation's leaves encoded (`Encoder`), then
-    separate policy and value MLPs, 64-64 tanh (37 details, #13), the policy's output split into one
-    head per action leaf (`ActionHead`). Given the state, the leaves are drawn independently, so
-    pi(a|s) is the product of the leaves' probabilities: its log, and the entropy, are sums over the
-    leaves (as over MultiDiscrete's dimensions, 37 details, #23). It reads observations normalised
-    by its `obs_stats`."""
+    """The actor-critic for a nest of spaces, on observations normalised by its `obs_stats`: their
+    leaves encoded (`Encoder`), then separate policy and value MLPs, 64-64 tanh (37 details, #13),
+    the policy's output split into one head per action leaf (`ActionHead`). Given the state, the
+    leaves are drawn independently, so pi(a|s) is the product of theirs: its log, and the entropy,
+    are sums over the leaves (as over MultiDiscrete's dimensions, 37 details, #23)."""
 
     def __init__(self, obs_space, action_space, hidden_size: int = 64, masked: bool = False,
                  normalize: bool = False, obs_clip: float = 10.0):
@@ -483,8 +508,7 @@ class Minibatch(typing.NamedTuple):
 
 
 class Rollout:
-    """What the current policy saw, did and got: [num_steps, num_envs, ...], on the device; the
-    actions a tensor per leaf (choices long, a Box's numbers float)."""
+    """The rollout buffer: what the current policy saw, did and got, [num_steps, num_envs, ...]."""
 
     def __init__(self, config: Config, obs_size: int, model: Model, device: torch.device):
         shape = (config.num_steps, config.num_envs)
@@ -511,7 +535,7 @@ class Trainer:
 
     @staticmethod
     def ppo_loss(minibatch: Minibatch, new_log_probs, entropy, new_values, config: Config):
-        """The negated PPO objective of a minibatch (to be minimised) and its diagnostics.
+        """The negated PPO objective of a minibatch, and its diagnostics (the inputs: [batch]).
 
         Why a ratio: the samples were drawn by pi_old, the policy that played the rollout, but the
         gradient should raise E_{a ~ pi_theta}[A]. Importance sampling reweights each sample by
@@ -520,16 +544,12 @@ class Trainer:
         rollout serve several epochs, but the estimate worsens as the policies part (other states
         would be visited; rho_t's variance grows). Why clip: TRPO bounds the move with a KL
         constraint; PPO (paper, eq. 7) stops rewarding it beyond [1 - eps, 1 + eps]:
-
             L_clip = E_t[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) ]
-
-        Once rho_t is out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or
-        rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
-        pulling. Why the minimum: it makes L_clip a pessimistic bound, so that a move that made
-        things worse (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the
-        smaller one, and its gradient pulls back. With a nest of actions, rho_t is the product of
-        the leaves' ratios: one clip for the whole action.
-        """
+        Out of range in the helpful direction (rho_t > 1 + eps with A_t > 0, or rho_t < 1 - eps with
+        A_t < 0), the clipped term is constant: no gradient. Why the minimum: a pessimistic bound,
+        so a move that made things worse (rho_t < 1 - eps with A_t > 0) is never hidden: then the
+        unclipped term is the smaller one, and its gradient pulls back. With a nest of actions,
+        rho_t is the product of the leaves' ratios: one clip for the whole action."""
         advantages = minibatch.advantages  # normalised per minibatch (37 details, #7)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         # The clipped surrogate (37 details, #8), negated: the max of the negations is the min.
@@ -547,8 +567,7 @@ class Trainer:
         # Entropy bonus (37 details, #10): rewards a spread-out policy, which keeps exploring.
         entropy_mean = entropy.mean()
         loss = policy_loss - config.ent_coef * entropy_mean + config.vf_coef * value_loss
-        # Diagnostics (37 details, #12): approx KL by the low-variance (rho - 1) - log rho
-        # (Schulman, "Approximating KL divergence", 2020), and the share the clip touched.
+        # Diagnostics (37 details, #12): approx KL, (rho - 1) - log rho (Schulman, 2020); clipped.
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()
             clip_fraction = ((ratio - 1).abs() > config.clip_coef).float().mean()
@@ -560,72 +579,21 @@ class Trainer:
         return self.ppo_loss(minibatch, *evaluated, self.config)
 
     def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
-        global norm clip, Adam. Returns the diagnostics as tensors."""
+        """Loss, backward, the ranks' mean gradient (torchrun), norm clip, Adam; the diagnostics."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
         self.average_gradients(self.model.parameters())  # hook: under torchrun, the ranks' mean
-        # Global gradient clipping (37 details, #11): all gradients scaled to norm <= max_grad_norm.
+        # Global gradient clipping (37 details, #11): a rare huge step cannot undo the policy.
         stats["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(),
                                                       self.config.max_grad_norm)
         self.optimizer.step()
         return stats
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
-
-    rewards: np.ndarray  # [num_envs]
-    terminated: np.ndarray  # [num_envs] bool: the episode ended in the game
-    truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
-    final_obs: dict  # env index -> the last observation (as Game gives it) of its episode
-    episodes: dict  # env index -> {"return", "length"} of the episode that ended there
-
-
-def packed(actions: dict) -> np.ndarray:
-    """The actions (leaf name -> [num_envs, width]) as one float32 array [num_envs, sum of widths],
-    the leaves side by side in order: a row per env, as Game.env_action reads it."""
-    return torch.cat([action.float() for action in actions.values()], dim=-1).cpu().numpy()
-
-
-class WorkerPool:
-    """All num_envs Games, in max(num_workers, 1) Workers (child processes) of equal shares, their
-    observations in one [num_envs, obs_size] tensor in shared memory, a Worker writing its rows."""
-
-    def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
-        count, self.device = max(config.num_workers, 1), device
-        share, self.obs = config.num_envs // count, torch.zeros(config.num_envs, obs_size)
-        self.obs.share_memory_()  # the children write into it, the trainer reads it: no copies
-        self.workers = [Worker(i, config.env, first_seed + i * share,
-                               self.obs[i * share:(i + 1) * share].numpy()) for i in range(count)]
-
-    def observations(self) -> torch.Tensor:  # the games' current ones, on the training device
-        return self.obs.to(self.device)
-
-    def step(self, actions: dict) -> StepResult:
-        """Send all Workers their actions first, then collect: the children play in parallel."""
-        rows, share = packed(actions), len(self.obs) // len(self.workers)
-        for index, worker in enumerate(self.workers):
-            worker.send_step(rows[index * share:(index + 1) * share])
-        # (reward, terminated, truncated, info) of each game, in the order of the envs
-        steps = [step for worker in self.workers for step in worker.receive()]
-        rewards, terminated, truncated = (np.array([step[k] for step in steps], dtype)
-                                          for k, dtype in ((0, np.float32), (1, bool), (2, bool)))
-        ended = {i: info for i, (*_, info) in enumerate(steps) if "episode" in info}
-        return StepResult(rewards, terminated, truncated,
-                          {i: info["final_obs"] for i, info in ended.items()},
-                          {i: info["episode"] for i, info in ended.items()})
-
-    def close(self):
-        for worker in self.workers:
-            worker.close()
-
-
 class Run:
-    """The plain run `Main.train` talks to, a context manager: seeds, device, the env's sizes, the
-    games, a progress line, the summary. Below the banner `RunGuard` extends it with Ctrl-C,
-    checkpoints, the non-finite guard, torchrun, logging and the fast engines."""
+    """The plain run `Main.train` talks to: seeds, device, sizes, the games, progress, summary.
+    `RunGuard`, below the banner, extends it: Ctrl-C, checkpoints, NaN guard, torchrun, workers."""
 
     solved_step: Optional[int] = None  # the step at which --target-return was reached
     config = property(lambda self: self.main.config)
@@ -635,8 +603,7 @@ class Run:
 
     def __enter__(self) -> "Run":
         config, self.start_time, self.returns = self.config, time.perf_counter(), deque(maxlen=100)
-        for seed in (random.seed, np.random.seed, torch.manual_seed):  # torch: sampling, shuffling
-            seed(config.seed)
+        torch.manual_seed(config.seed)  # the trainer's draws (sampling, shuffling): all torch's
         cuda = config.device != "cpu" and torch.cuda.is_available()
         self.device = torch.device("cuda" if cuda else "cpu")
         game = Game(config.env, config.seed)  # one env tells the sizes the Model needs
@@ -649,16 +616,16 @@ class Run:
     @staticmethod
     def evaluate(config: Config) -> dict:
         """--eval: the machinery's."""
-        raise NotImplementedError(
-            "--eval plays a checkpoint: the machinery below the banner does it")
+        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner")
 
     def prepare_learner(self) -> int:
         """Ready the new Model and Trainer to learn; returns the step to start from: 0."""
         return 0
 
-    def start_games(self) -> WorkerPool:
-        """All num_envs Games, in Workers; game i seeded with config.seed + i."""
-        self.games = WorkerPool(self.config, self.obs_size, self.config.seed, self.device)
+    def start_games(self) -> Worker:
+        """All the games in one Worker, game i seeded with seed + i."""
+        obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
+        self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
         return self.games
 
     def stop_at_once(self) -> bool:
@@ -706,10 +673,7 @@ class Main:
         self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
-        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
-        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
-        # Cut at the banner, the lesson runs with Run alone.
+        # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
         run_class = globals().get("RunGuard", Run)
         return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
@@ -724,7 +688,7 @@ class Main:
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, self.model, guard.device)
             # Box vectors normalised by running mean and std (continuous #6-#7), as they come.
-            next_obs = self.model.obs_stats.normalize(self.games.observations())
+            next_obs = self.model.obs_stats.normalize(self.games.observations().to(guard.device))
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -746,8 +710,7 @@ class Main:
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
         """Play num_steps steps in every game, filling the rollout; returns the next observation."""
-        config, rollout, device = self.config, self.rollout, self.guard.device
-        ended = []  # (global step, statistics) of the episodes that end
+        config, rollout, device, ended = self.config, self.rollout, self.guard.device, []
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C
                 break
@@ -764,7 +727,7 @@ class Main:
                 cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
                 cut_obs = self.model.obs_stats.normalize(cut_obs.to(device), update=False)
                 rewards[cut] += config.gamma * self.model.value(cut_obs)
-            next_obs = self.model.obs_stats.normalize(self.games.observations())
+            next_obs = self.model.obs_stats.normalize(self.games.observations().to(device))
             rollout.rewards[step] = rewards
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated).to(device)
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
@@ -818,7 +781,9 @@ import json
 import logging
 import multiprocessing.connection
 import os
+import random
 import signal
+import sys
 import threading
 import warnings
 from multiprocessing import shared_memory
@@ -912,10 +877,10 @@ class InProcessWorker(Worker):
             game.env.close()
 
 
-class GuardedWorkerPool(WorkerPool):
-    """The WorkerPool made safe: GuardedWorkers (InProcessWorker's Games with --num-workers 0),
-    their observations in a shared-memory segment that no process outlives, the Workers started so
-    far closed if one fails to start."""
+class WorkerPool:
+    """All the games of this rank: num_workers GuardedWorkers of num_envs / num_workers Games each
+    (an InProcessWorker with --num-workers 0), their observations in one shared-memory segment that
+    no process outlives; if a Worker fails to start, those before it are closed."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
         self.device, self.workers, self.shared_obs = device, [], None
@@ -940,8 +905,19 @@ class GuardedWorkerPool(WorkerPool):
             self.shared_obs.unlink()
         self.obs = torch.from_numpy(self.obs_array)
 
+    def observations(self) -> torch.Tensor:  # the games' current ones, on the training device
+        return self.obs.to(self.device)
+
+    def step(self, actions: dict) -> StepResult:
+        """Send all Workers their actions first, then collect: the children play in parallel."""
+        rows, share = packed(actions), len(self.obs) // len(self.workers)
+        for index, worker in enumerate(self.workers):
+            worker.send_step(rows[index * share:(index + 1) * share])
+        return StepResult.of([step for worker in self.workers for step in worker.receive()])
+
     def close(self):
-        super().close()
+        for worker in self.workers:
+            worker.close()
         self.workers = []
         if self.shared_obs is not None:
             self.obs = self.obs_array = None  # drop the views before unmapping the memory
@@ -1219,7 +1195,7 @@ class RunGuard(Run):
 
     def start_games(self) -> WorkerPool:  # game i of rank r is seeded with seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        self.games = GuardedWorkerPool(self.config, self.obs_size, first_seed, self.device)
+        self.games = WorkerPool(self.config, self.obs_size, first_seed, self.device)
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1615,7 +1591,7 @@ def write_frame(video, game: Game, path: Path):
     # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    frame = game.render()
+    frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fps = game.env.metadata.get("render_fps", 30)

@@ -509,7 +509,7 @@ def test_the_lesson_alone_cut_at_the_banner_trains_with_its_plain_run(tmp_path, 
     assert summary["steps"] == 128 and summary["episodes"] == 128  # one step an episode
     assert float(main.model.obs_stats.count) == pytest.approx(1e-4 + 128 + 4)  # normalised in the lesson
     assert "step 128 | " in capsys.readouterr().out  # the plain run's progress line
-    assert not any(worker.process.is_alive() for worker in main.games.workers)
+    assert not main.games.process.is_alive()  # the plain run's one Worker (all games) is closed
     with pytest.raises(NotImplementedError, match="--eval plays a checkpoint"):
         namespace["Main"](namespace["Config"](eval=str(tmp_path))).run()
 
