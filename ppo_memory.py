@@ -1103,11 +1103,6 @@ class Ranks:
         for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(part.view_as(grad))
 
-    def pooled(self, moments: list, count: int) -> tuple:
-        """A batch's moments and size -> their means over the ranks and the size of all the ranks'
-        batches (as given alone): every rank keeps the same observation statistics."""
-        return self.mean(moments), count * self.world_size
-
     def mean(self, values: list) -> list:
         """Each number's mean over the ranks."""
         if not self.distributed:
@@ -1219,7 +1214,7 @@ class RunGuard(Run):
         self.obs_size, self.num_actions = inspect_env(config.env)
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
-        self.device, self.pooled = self.ranks.device, self.ranks.pooled  # (moments of all ranks)
+        self.device = self.ranks.device
         self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
@@ -1264,6 +1259,11 @@ class RunGuard(Run):
 
     def mean(self, value: float) -> float:  # over the ranks (the value itself without torchrun)
         return self.ranks.mean([value])[0]
+
+    def pooled(self, moments: list, count: int) -> tuple:
+        """A batch's moments and size -> their means over the ranks and the size of all the ranks'
+        batches (as given alone): every rank keeps the same running statistics."""
+        return self.ranks.mean(moments), count * self.ranks.world_size
 
     def after_rollout(self, ended: list):
         """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
