@@ -1154,6 +1154,8 @@ class RunGuard(Run):
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
         config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
         check_settings(config)
+        if config.check_env:  # the spec check's one line says it: not gymnasium's warnings first
+            warnings.filterwarnings("ignore", module=r"gymnasium\.utils\.passive_env_checker")
         self.env = inspect_env(config)  # its spaces (checked), its mask
         self.obs_space, self.action_space, self.obs_size, self.masked = self.env[:4]
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
@@ -1861,8 +1863,6 @@ def command_line(argv=None) -> int:
     """Run as a command; returns the exit status: 0, 1 after a failure, 2 for bad input, 128 + the
     signal after Ctrl-C or SIGTERM."""
     main = Main(parse_config(argv))
-    if main.config.check_env:  # the spec check's one line says it: not gymnasium's warnings first
-        warnings.filterwarnings("ignore", module=r"gymnasium\.utils\.passive_env_checker")
     try:
         main.run()
     except UsageError as error:
