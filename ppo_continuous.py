@@ -20,7 +20,6 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
-import sys
 import time
 import typing
 from collections import deque
@@ -29,15 +28,13 @@ from typing import Optional
 SCRIPT = "ppo_continuous"
 
 
-def option(default, help, check=None):
-    """A Config field, its explanation (for --help) and, for a number, the range it must lie in."""
+def option(default, help, check=None):  # a Config field, its --help line, its valid range
     return dataclasses.field(default=default, metadata={"help": help, "check": check})
 
 
 @dataclasses.dataclass
 class Config:
-    """Every setting of a run, each a flag too (`num_envs`: `--num-envs`); benchmarks/README.md
-    shows that the defaults learn Pendulum-v1 fast."""
+    """Every setting, each a flag (num_envs: --num-envs); the defaults learn Pendulum-v1 fast."""
 
     # PPO's hyperparameters.
     learning_rate: float = option(1e-3, "Adam's step size, annealed linearly to 0", "> 0")
@@ -83,8 +80,7 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """One flag per Config field. Read before torch is imported (2 s), so that --help and a typo
-    answer at once; a mistake is one line and exit status 2, never a usage dump."""
+    """A flag per Config field, read before torch is imported (2 s): --help answers at once."""
     flags = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(Config)}
 
     def refuse(message: str):
@@ -160,9 +156,8 @@ class StepResult(typing.NamedTuple):
 
 
 class Worker:
-    """Plays several Games in a (forked) child process, so that they run on several cores: actions
-    go through a pipe, rewards, end flags and ended episodes come back; observations, the one large
-    array, through shared memory (`obs_view`: the child writes, the trainer reads it in place)."""
+    """Plays several Games in a child process (on a core of its own): actions go down a pipe, the
+    rest comes back; observations, the one large array, skip the pipe (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray, device="cpu"):
         self.index, self.env_id, self.obs_view, self.device = index, env_id, obs_view, device
@@ -194,17 +189,14 @@ class Worker:
                 returns[i], lengths[i] = episode["return"], episode["length"]
         return rewards, terminated, truncated, final_obs, returns, lengths
 
-    def step(self, actions: torch.Tensor) -> StepResult:  # its Games' step, as WorkerPool's
-        self.send_step(actions.cpu().numpy())
+    def step(self, actions: torch.Tensor) -> StepResult:  # step_games' answer, from the child
+        self.trainer_end.send(("step", actions.cpu().numpy()))
         return StepResult(*(torch.from_numpy(part).to(self.device) for part in self.receive()))
 
     def observations(self) -> torch.Tensor:  # the Games' current observations, on the device
         return torch.from_numpy(self.obs_view).to(self.device)
 
-    def send_step(self, actions: np.ndarray):
-        self.trainer_end.send(("step", actions))
-
-    def receive(self) -> tuple:  # the last send_step's result (the observations: in obs_view)
+    def receive(self) -> tuple:  # the child's answer (the observations: in obs_view)
         return self.trainer_end.recv()[1]
 
     def close(self):  # any command but "step" ends the child's loop
@@ -213,11 +205,10 @@ class Worker:
 
 
 class RunningMeanStd(nn.Module):
-    """The count, mean and variance of all the numbers seen so far, per feature, kept without the
-    numbers (float64 buffers, saved apart as "normalizer"), to normalise what PPO sees as CleanRL
-    and SB3 do (continuous #6-#9): one set for all games, the Model's, frozen by --eval. A batch
-    merges in by Chan, Golub and LeVeque's formula (1979), exact for any split (n = n_a + n_b,
-    delta = mean_b - mean_a):
+    """The count, mean and variance per feature of all the numbers seen so far, kept without the
+    numbers (float64), to normalise what PPO sees as CleanRL and SB3 do (continuous #6-#9): one set
+    for all games, the Model's, frozen by --eval. A batch merges in by Chan, Golub and LeVeque's
+    formula (1979), exact for any split (n = n_a + n_b, delta = mean_b - mean_a):
         mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
     From count 1e-4, mean 0, variance 1, as theirs (a safe first division). Off: a pass-through."""
 
@@ -312,9 +303,8 @@ class Model(nn.Module):
 
 
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
-    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12). rewards,
-    values, dones: [T, N] (time, env); last_value: [N], the value of the observation after the last
-    step. Returns the advantages [T, N]; the value targets are advantages + values.
+    """Generalized Advantage Estimation (Schulman et al., 2016; PPO paper, eq. 11-12).
+    rewards, values, dones: [T, N] (time, env); last_value: [N], V(s_T). The advantages: [T, N].
 
     The advantage A_t = Q(s_t, a_t) - V(s_t) says how much better action a_t did than the critic
     expected. With the TD error delta_t = r_t + gamma V(s_(t+1)) - V(s_t), the k-step estimators
@@ -420,8 +410,7 @@ class Trainer:
         return self.ppo_loss(minibatch, *evaluated, self.config)
 
     def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
-        global norm clip, Adam. Returns the diagnostics as tensors."""
+        """Loss, backward, the ranks' mean gradient (torchrun), norm clip, Adam; the diagnostics."""
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -434,38 +423,29 @@ class Trainer:
 
 
 class Run:
-    """The plain run that `Main.train` talks to: seeds, the device, the env's sizes, the games (one
-    Worker), a progress line per update and the summary: all the lesson needs to train. Below the
-    banner, `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard, torchrun,
-    logging, summary.json and the fast engines."""
-
-    config = property(lambda self: self.main.config)  # the run's settings
-    solved_step = None  # the step at which --target-return was reached
+    """The plain run `Main.train` talks to: seeds, device, sizes, the games, progress, summary.
+    `RunGuard`, below the banner, extends it: Ctrl-C, checkpoints, NaN guard, torchrun, engines."""
 
     def __init__(self, main: "Main"):
-        self.main, self.games, self.summary, self.updates = main, None, None, 0
-        self.returns, self.episodes = deque(maxlen=100), 0  # the last 100 returns; all episodes
+        self.main, self.config, self.games, self.summary = main, main.config, None, None
+        self.returns, self.episodes, self.updates, self.solved_step = deque(maxlen=100), 0, 0, None
 
     def __enter__(self) -> "Run":
         """Seed torch's draws (sampling, shuffling), pick the device, read the env's sizes."""
         config, self.start_time = self.config, time.perf_counter()
         torch.manual_seed(config.seed)
-        use_cuda = config.device != "cpu" and torch.cuda.is_available()
-        self.device = torch.device("cuda" if use_cuda else "cpu")
-        game = Game(config.env, config.seed)  # its spaces: the Model's sizes, the action bounds
-        space, self.obs_size = game.action_space, int(np.prod(game.env.observation_space.shape))
+        cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device, self.steps_per_step = torch.device("cuda" if cuda else "cpu"), config.num_envs
+        with gym.make(config.env) as env:  # its spaces: the Model's sizes, the action bounds
+            space, self.obs_size = env.action_space, int(np.prod(env.observation_space.shape))
         self.action_size, self.action_bounds = int(np.prod(space.shape)), [
             torch.as_tensor(bound, dtype=torch.float32, device=self.device).flatten()
             for bound in (space.low, space.high)]
-        game.env.close()
-        self.steps_per_step = config.num_envs  # environment steps per step of the loop
         return self
 
-    # What the machinery does here: the step to start from (--resume's), whether to end the
-    # rollout at once (Ctrl-C), the mean of a number over the processes that train (torchrun).
-    prepare_learner = lambda self: 0
-    stop_at_once = lambda self: False
-    mean = lambda self, value: value
+    prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
+    stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
+    mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
 
     def start_games(self) -> Worker:
         """All the games in one Worker, game i seeded with seed + i."""
@@ -474,8 +454,7 @@ class Run:
         return self.games
 
     def after_rollout(self, episodes: list):
-        """Record the returns of the episodes that ended ((global step, StepResult) pairs) and the
-        step at which the mean of the last 100 reached --target-return."""
+        """Record the ended episodes' returns ((step, StepResult) pairs); note --target-return."""
         target = self.config.target_return
         for step, result in episodes:
             for row in (result.terminated | result.truncated).nonzero().flatten().tolist():
@@ -491,7 +470,7 @@ class Run:
         speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
         print(f"step {step:,} | {speed:,.0f} steps/s | return {mean:.1f} | updates {self.updates}")
 
-    def __exit__(self, kind, error, traceback) -> bool:
+    def __exit__(self, kind, error, traceback):
         """Close the games and keep the summary; an error goes on up."""
         if self.games is not None:
             self.games.close()
@@ -500,7 +479,6 @@ class Run:
                         "seconds": round(time.perf_counter() - self.start_time, 3),
                         "mean_return_100": float(np.mean(self.returns)) if self.returns else None,
                         "solved_step": self.solved_step}
-        return False
 
     @staticmethod
     def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
@@ -515,10 +493,7 @@ class Main:
         self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
-        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
-        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
-        # Cut at the banner, the lesson runs with Run alone.
+        # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
         run_class = globals().get("RunGuard", Run)
         return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
@@ -629,6 +604,7 @@ import multiprocessing.connection
 import os
 import random
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -664,9 +640,9 @@ class GuardedWorker(Worker):
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
-    def send_step(self, actions: np.ndarray):
+    def send_step(self, actions: np.ndarray):  # WorkerPool sends to all first, then receives
         with contextlib.suppress(OSError):  # a child that is gone: receive() says how
-            super().send_step(actions)
+            self.trainer_end.send(("step", actions))
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
@@ -878,12 +854,12 @@ def ended_episodes(episodes: list) -> list:
 NUMPY_STANDS_IN_FOR = ("RunningMeanStd", "Model", "compute_gae", "Minibatch", "Rollout",
                        "Trainer", "Main.collect_rollout", "Main.estimate_advantages")
 LESSON_DIGEST = {
-    "RunningMeanStd": "25bd15634bc793f64fcf9bd91eff6390d039c225c2c140c8d4f9daafe77bdb64",
+    "RunningMeanStd": "00cb0e1c213ad1e9f65cbeace32c42ddefd6e9b6a9d7d7738b6f3743f8c65ea9",
     "Model": "5d78e05a6e70c509458280f01ac0abbf3ad127ff22d259d25cb17047fd348be2",
-    "compute_gae": "1fdfe7378e0b356ca45c184f2fc30b3fc1c99d796a592e11593d7a43d7b295b7",
+    "compute_gae": "0cb59dcfab7777082d002fe6cb760f1a231692919658a3624b92268f00ce658e",
     "Minibatch": "2fc4fe679e94f546176bbfcba44007c3552a04ee17a599c7a03cf7b9d9f7e7c1",
     "Rollout": "9a82272357fc03681bfc3176f384f870130eed36a7508062eee8abcff747e4c4",
-    "Trainer": "f1c31100f613f3399bca1dea3f84a393ee87c7eac1c779edf50f60095ff150fe",
+    "Trainer": "cefd0009e27332d515ae2481bdde9aec3e41f0aa704bcdfa48a4bb24e6dc8985",
     "Main.collect_rollout": "ceb4cbf89e515cd2d465ee7e9c1577b11c5318496912ca0ff7f431e05c58a3dd",
     "Main.estimate_advantages": "bd68302ee5f265729cae81a4b9e20da6576f948f9822d6b3da2dd39188b28245",
 }
@@ -1354,10 +1330,10 @@ class RunGuard(Run):
     afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
 
     def __init__(self, main: Main):
-        super().__init__(main)  # main, games, summary; the settings are main's (or a checkpoint's)
-        self.stop_signal, self.previous_handlers, self.ranks, self.log = None, {}, None, None
-        self.previous_threads = torch.get_num_threads()
+        self.main, self.previous_handlers, self.previous_threads = main, {}, torch.get_num_threads()
+        self.stop_signal = self.ranks = self.games = self.log = self.summary = None
 
+    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     @staticmethod
