@@ -19,7 +19,6 @@ In a notebook:  from ppo_multiagent import Config, Main; Main(Config(total_times
 """
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import difflib
@@ -122,25 +121,12 @@ import torch
 import torch.nn as nn
 
 
-def parse_pairs(text: str) -> dict:
-    """--env-kwargs "N=5,local_ratio=0.3" -> {"N": 5, "local_ratio": 0.3}, --groups alike: each
-    value read as a Python literal (numbers, True, None, ...), else kept as a string."""
-    pairs = {}
-    for key, _, value in (map(str.strip, item.partition("=")) for item in text.split(",")
-                          if item.strip()):
-        with contextlib.suppress(ValueError, SyntaxError):
-            value = ast.literal_eval(value)
-        pairs[key] = value
-    return pairs
-
-
 def assign_groups(agents: list, kinds: list, prefixes: dict) -> dict:
-    """Policy groups, {group name: slots of its agents}. A group's agents share one actor-critic,
-    so they must observe and act alike: predators and their prey need a network each. By default
-    one group per kind (`kinds[slot]`: that agent's observation and action spaces), named by its
-    agents' common name prefix (adversary_0, adversary_1 -> "adversary"). With `prefixes`
-    ({name prefix: group}, from --groups) an agent joins the group of the longest prefix its name
-    starts with (as agent-to-policy maps by name do); one that matches none is a ValueError."""
+    """Policy groups, {group name: slots of its agents}, whose agents share one actor-critic, so
+    observe and act alike. By default one group per kind (`kinds[slot]`: that agent's observation
+    and action spaces), named by its agents' common name prefix (adversary_0, adversary_1 ->
+    "adversary"). With `prefixes` ({name prefix: group}, from --groups) an agent joins the group of
+    the longest prefix its name starts with; one that matches none is a ValueError."""
     groups = {}
     for slot, agent in enumerate(agents):
         matches = [prefix for prefix in prefixes if agent.startswith(prefix)]
@@ -249,12 +235,22 @@ class Game:
             return self.observe(observations), reward, terminated, truncated, info
         # All done: returns per agent (the mean) and per team (the sum), of all and of each group.
         team = lambda slots: self.returns[slots][self.ever_present[slots]]  # noqa: E731
-        info["episode"] = {"return": float(team(slice(None)).mean()),
-                           "team_return": float(team(slice(None)).sum()), "length": self.length,
-                           "groups": {name: {"return": float(team(slots).mean()),
-                                             "team_return": float(team(slots).sum())}
-                                      for name, slots in self.groups.items()}}
+        both = lambda slots: {"return": float(team(slots).mean()),  # noqa: E731
+                              "team_return": float(team(slots).sum())}
+        info["episode"] = {**both(slice(None)), "length": self.length,
+                           "groups": {name: both(slots) for name, slots in self.groups.items()}}
         return self.reset(), reward, terminated, truncated, info
+
+
+class StepResult(typing.NamedTuple):
+    """What one step of all the envs gives the trainer besides the rows, by row."""
+
+    rewards: np.ndarray  # [rows]
+    terminated: np.ndarray  # [rows] bool: the agent's episode ended in the game
+    truncated: np.ndarray  # [rows] bool: a time limit cut the agent's episode
+    present: np.ndarray  # [rows] bool: which agents are in their env now (the next rows)
+    final_obs: dict  # row -> the last row of the agent whose episode ended there
+    episodes: dict  # env index -> {"return", "team_return", "length"} of an episode that ended
 
 
 class Worker:
@@ -270,7 +266,7 @@ class Worker:
             name=f"{SCRIPT}-worker-{index}", daemon=True)
         self.process.start()
         child_end.close()
-        self.present = self.receive()  # the child's first answer comes once its Games are reset
+        self.present_array = self.receive()  # the first answer comes once its Games are reset
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> list:
@@ -280,6 +276,18 @@ class Worker:
         obs_out[:] = np.concatenate([obs for obs, *_ in results])
         return [(*result[1:4], game.present, result[4]) for game, result in zip(games, results)]
 
+    @staticmethod
+    def merge_results(games: list) -> StepResult:
+        """step_games' answers, env by env, as one StepResult by row (env * num_agents + slot)."""
+        rewards, terminated, truncated, present = (np.concatenate(part)
+                                                   for part in list(zip(*games))[:4])
+        agents = len(rewards) // len(games)
+        final_obs = {env * agents + slot: info["final_obs"][slot] for env, (*_, info)
+                     in enumerate(games) for slot in np.flatnonzero(info.get("_final_obs", ()))}
+        episodes = {env: info["episode"] for env, (*_, info) in enumerate(games)
+                    if "episode" in info}
+        return StepResult(rewards, terminated, truncated, present, final_obs, episodes)
+
     def child_loop(self, conn, seeds: list, options: dict):  # in the child, until told to stop
         games = [Game(self.env_id, seed, **options) for seed in seeds]  # Game i: seeds[i]
         self.obs_view[:] = np.concatenate([game.reset() for game in games])
@@ -287,11 +295,23 @@ class Worker:
         while (command := conn.recv())[0] == "step":
             conn.send(("ok", self.step_games(games, command[1], self.obs_view)))
 
+    def step(self, actions: np.ndarray) -> StepResult:  # step_games' answer, from the child
+        self.send_step(actions)
+        result = self.merge_results(self.receive())
+        self.present_array = result.present
+        return result
+
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
 
     def receive(self):  # the child's answer to the last command (the rows are in obs_view by then)
         return self.trainer_end.recv()[1]
+
+    def observations(self) -> torch.Tensor:  # the Games' current rows (shared memory)
+        return torch.from_numpy(self.obs_view)
+
+    def present(self) -> torch.Tensor:  # 1.0 for each row whose agent is in its env now, else 0.0
+        return torch.from_numpy(self.present_array).float()
 
     def close(self):
         self.trainer_end.send(("close", None))
@@ -536,14 +556,13 @@ class Trainer:
         """Each group's loss from its own rows and network, summed. A group's weights get only its
         own loss's gradient (the others' do not depend on them): one backward pass and one Adam
         step update every group as separate PPO updates would. The diagnostics: groups' means."""
-        losses, stats = [], []
+        results = []  # each group's (loss, diagnostics)
         for name, minibatch in minibatches.items():
             model = self.models[name]
             evaluated = model.evaluate_actions(minibatch.obs, minibatch.actions)
-            loss, group_stats = self.ppo_loss(minibatch, *evaluated, self.config,
-                                              model.return_stats.std())
-            losses.append(loss)
-            stats.append(group_stats)
+            results.append(self.ppo_loss(minibatch, *evaluated, self.config,
+                                         model.return_stats.std()))
+        losses, stats = zip(*results)
         return torch.stack(losses).sum(), {key: torch.stack([group[key] for group in stats]).mean()
                                            for key in stats[0]}
 
@@ -563,69 +582,11 @@ class Trainer:
         return stats
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the envs gives the trainer besides the rows, by row."""
-
-    rewards: np.ndarray  # [rows]
-    terminated: np.ndarray  # [rows] bool: the agent's episode ended in the game
-    truncated: np.ndarray  # [rows] bool: a time limit cut the agent's episode
-    present: np.ndarray  # [rows] bool: which agents are in their env now (the next rows)
-    final_obs: dict  # row -> the last row of the agent whose episode ended there
-    episodes: dict  # env index -> {"return", "team_return", "length"} of an episode that ended
-
-
-class WorkerPool:
-    """All the envs: num_envs Games in max(num_workers, 1) Workers, Game i seeded with first_seed
-    + i; their rows in one tensor in shared memory, [num_envs * num_agents, widest row], env-major:
-    row e * num_agents + a holds agent a of env e (`Rollout`)."""
-
-    def __init__(self, config: Config, spec: EnvSpec, first_seed: int, device: torch.device):
-        self.device, self.workers, count = device, [], max(config.num_workers, 1)
-        self.obs = torch.zeros(config.num_envs * spec.num_agents,
-                               max(group.row_size for group in spec.groups)).share_memory_()
-        options = {"env_kwargs": parse_pairs(config.env_kwargs), "agent_id": config.agent_id,
-                   "central_value": config.central_value, "width": self.obs.shape[1],
-                   "groups": {group.name: group.slots for group in spec.groups}}
-        seeds = np.split(first_seed + np.arange(config.num_envs), count)
-        for index, rows in enumerate(np.split(self.obs.numpy(), count)):  # each Worker's view
-            self.workers.append(self.start_worker(index, config.env, seeds[index].tolist(),
-                                                  options, rows))
-        self.present_array = np.concatenate([worker.present for worker in self.workers])
-
-    def start_worker(self, *args) -> Worker:  # (the machinery's are made safe)
-        return Worker(*args)
-
-    def observations(self) -> torch.Tensor:  # the envs' current rows (on the CPU: no copy)
-        return self.obs.to(self.device)
-
-    def present(self) -> torch.Tensor:  # 1.0 for each row whose agent is in its env now, else 0.0
-        return torch.from_numpy(self.present_array).to(self.device, torch.float32)
-
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Send all Workers their actions first, then collect: the children play in parallel."""
-        for worker, part in zip(self.workers, np.split(actions, len(self.workers))):
-            worker.send_step(part)
-        games = [game for worker in self.workers for game in worker.receive()]  # env by env
-        rewards, terminated, truncated, self.present_array = (
-            np.concatenate(part) for part in list(zip(*games))[:4])
-        agents = len(rewards) // len(games)
-        final_obs = {env * agents + slot: info["final_obs"][slot] for env, (*_, info)
-                     in enumerate(games) for slot in np.flatnonzero(info.get("_final_obs", ()))}
-        episodes = {env: info["episode"] for env, (*_, info) in enumerate(games)
-                    if "episode" in info}
-        return StepResult(rewards, terminated, truncated, self.present_array, final_obs, episodes)
-
-    def close(self):
-        for worker in self.workers:
-            worker.close()
-        self.workers = []
-
-
 class Run:
-    """The plain run that `Main.train` talks to: seeds, the device, the env's groups and sizes, the
-    games, a progress line per update and the summary; all the lesson needs to train. Below the
-    banner `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard, torchrun, logging
-    and Workers made safe (this script has no fast engine)."""
+    """The plain run that `Main.train` talks to: seeds, the device, the env's groups and sizes (the
+    env's defaults, a group per kind of agent), the games, a progress line per update and the
+    summary. Below the banner `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard,
+    torchrun, logging, --env-kwargs and --groups, and Workers made safe (no fast engine here)."""
 
     games = summary = solved_step = None  # solved_step: where --target-return was reached
     config = property(lambda self: self.main.config)
@@ -637,9 +598,11 @@ class Run:
     def __enter__(self) -> "Run":
         """Read the groups and the sizes the Models need from one env; pick the device; seed."""
         config, self.start_time = self.config, time.perf_counter()
-        env = pkgutil.resolve_name(config.env).parallel_env(**parse_pairs(config.env_kwargs))
+        if config.env_kwargs or config.groups:
+            raise ValueError("the whole file's machinery applies --env-kwargs and --groups")
+        env = pkgutil.resolve_name(config.env).parallel_env()
         env.reset(seed=0)
-        self.spec = describe_env(env, config, parse_pairs(config.groups))
+        self.spec = describe_env(env, config, {})
         env.close()
         self.device = torch.device("cuda" if config.device != "cpu"
                                    and torch.cuda.is_available() else "cpu")
@@ -657,9 +620,15 @@ class Run:
         """The step to start from: 0 (the machinery's: --resume's)."""
         return 0
 
-    def start_games(self) -> WorkerPool:
-        """The envs, in Workers, env i seeded with seed + i."""
-        self.games = WorkerPool(self.config, self.spec, self.config.seed, self.device)
+    def start_games(self) -> Worker:
+        """All the envs in one Worker, env i seeded with seed + i; their rows in shared memory."""
+        config, groups = self.config, self.spec.groups
+        obs = torch.zeros(config.num_envs * self.spec.num_agents,  # env-major, as `Rollout` reads
+                          max(group.row_size for group in groups)).share_memory_()
+        options = {"agent_id": config.agent_id, "central_value": config.central_value,
+                   "width": obs.shape[1], "groups": {g.name: g.slots for g in groups}}
+        seeds = [config.seed + i for i in range(config.num_envs)]
+        self.games = Worker(0, config.env, seeds, options, obs.numpy())
         return self.games
 
     def stop_at_once(self) -> bool:
@@ -714,10 +683,7 @@ class Main:
         self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
-        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
-        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
-        # Cut at the banner, the lesson runs with Run alone.
+        # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
         run_class = globals().get("RunGuard", Run)
         return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
@@ -734,7 +700,7 @@ class Main:
             self.games = guard.start_games()  # Workers; rows through shared memory
             self.rollouts = {group.name: Rollout(config, group, guard.spec.num_agents,
                                                  guard.device) for group in groups}
-            next_obs = self.games.observations()
+            next_obs = self.games.observations().to(guard.device)
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -761,7 +727,7 @@ class Main:
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
                 break
-            present = self.games.present()
+            present = self.games.present().to(device)
             # What the envs get: a row per agent (a Discrete action's index, a Box action's numbers)
             env_actions = torch.zeros(len(next_obs), self.guard.spec.action_columns, device=device)
             for name, rollout in self.rollouts.items():  # each group plays its own agents
@@ -772,7 +738,7 @@ class Main:
                 sent = actions.clamp(*rollout.bounds) if rollout.bounds else actions[:, None]
                 env_actions[rollout.rows, :sent.shape[1]] = sent.to(env_actions.dtype)
             result = self.games.step(env_actions.cpu().numpy())
-            next_obs = self.games.observations()
+            next_obs = self.games.observations().to(device)
             rewards = torch.from_numpy(result.rewards).to(device)
             ends = torch.from_numpy(result.terminated | result.truncated).to(device)
             for name, rollout in self.rollouts.items():
@@ -842,6 +808,7 @@ class Main:
 # failures, logging, summary), which extend the lesson's plain `Run`; checkpoints; evaluation and
 # video; the input checks; the command line.
 
+import ast
 import copy
 import datetime
 import gc
@@ -930,7 +897,7 @@ class InProcessWorker(Worker):
         self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
         self.games = [Game(env_id, seed, **options) for seed in seeds]
         self.obs_view[:] = np.concatenate([game.reset() for game in self.games])
-        self.present = np.concatenate([game.present for game in self.games])
+        self.present_array = np.concatenate([game.present for game in self.games])
 
     def send_step(self, actions: np.ndarray):
         self.actions = actions
@@ -943,23 +910,51 @@ class InProcessWorker(Worker):
             game.env.close()
 
 
-class GuardedWorkerPool(WorkerPool):
-    """The lesson's WorkerPool, made safe: GuardedWorkers (InProcessWorker with --num-workers 0),
-    each child told the trainer ends of the Workers started before it (to close its copies); a
-    failure to start one closes those started so far."""
+class WorkerPool:
+    """All the envs of this rank: num_envs Games in max(num_workers, 1) GuardedWorkers (one
+    InProcessWorker with --num-workers 0), Game i seeded with first_seed + i, taking --env-kwargs;
+    their rows, env-major as `Rollout` reads them, in one tensor in shared memory. Each child is
+    told the trainer ends of the Workers started before it (to close its copies); a failure to
+    start one closes those started so far."""
 
-    def __init__(self, config: Config, spec: EnvSpec, first_seed: int, device: torch.device):
-        self.workers, self.in_process = [], config.num_workers == 0
+    def __init__(self, config: Config, spec: EnvSpec, first_seed: int):
+        self.workers, count = [], max(config.num_workers, 1)
+        self.obs = torch.zeros(config.num_envs * spec.num_agents,
+                               max(group.row_size for group in spec.groups)).share_memory_()
+        options = {"env_kwargs": parse_env_kwargs(config.env_kwargs),
+                   "agent_id": config.agent_id, "central_value": config.central_value,
+                   "width": self.obs.shape[1], "groups": {g.name: g.slots for g in spec.groups}}
+        worker_class = InProcessWorker if config.num_workers == 0 else GuardedWorker
+        seeds = np.split(first_seed + np.arange(config.num_envs), count)
         try:
-            super().__init__(config, spec, first_seed, device)
+            for index, rows in enumerate(np.split(self.obs.numpy(), count)):  # a Worker's view
+                self.workers.append(worker_class(
+                    index, config.env, seeds[index].tolist(), options, rows,
+                    [worker.trainer_end for worker in self.workers if worker.trainer_end]))
         except BaseException:
             self.close()  # the workers started so far
             raise
+        self.present_array = np.concatenate([worker.present_array for worker in self.workers])
 
-    def start_worker(self, index: int, env_id: str, seeds: list, options: dict, rows) -> Worker:
-        worker_class = InProcessWorker if self.in_process else GuardedWorker
-        return worker_class(index, env_id, seeds, options, rows,
-                            [worker.trainer_end for worker in self.workers if worker.trainer_end])
+    def observations(self) -> torch.Tensor:  # the envs' current rows (shared memory)
+        return self.obs
+
+    def present(self) -> torch.Tensor:  # 1.0 for each row whose agent is in its env now, else 0.0
+        return torch.from_numpy(self.present_array).float()
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        """Send all Workers their actions first, then collect: the children play in parallel."""
+        for worker, part in zip(self.workers, np.split(actions, len(self.workers))):
+            worker.send_step(part)
+        result = Worker.merge_results([game for worker in self.workers
+                                       for game in worker.receive()])  # env by env
+        self.present_array = result.present
+        return result
+
+    def close(self):
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
 
 # ----- Compilation --------------------------------------------------------------------------------
 
@@ -1208,9 +1203,9 @@ class RunGuard(Run):
         self.last_checkpoint_step = main.global_step
         return main.global_step
 
-    def start_games(self) -> GuardedWorkerPool:  # env i of rank r: seed + r * num_envs + i
+    def start_games(self) -> WorkerPool:  # env i of rank r: seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        self.games = GuardedWorkerPool(self.config, self.spec, first_seed, self.device)
+        self.games = WorkerPool(self.config, self.spec, first_seed)
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1768,13 +1763,18 @@ def parse_groups(text: str) -> dict:
 
 
 def parse_env_kwargs(text: str) -> dict:
-    """--env-kwargs, read by the lesson's `parse_pairs` once each pair is known to be name=value."""
+    """--env-kwargs "N=5,local_ratio=0.3" -> {"N": 5, "local_ratio": 0.3}: each value read as a
+    Python literal (numbers, True, None, ...), else kept as a string."""
+    pairs = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        key, equals, _ = (part.strip() for part in item.partition("="))
+        key, equals, value = (part.strip() for part in item.partition("="))
         if not equals or not key.isidentifier():
             raise UsageError(f"--env-kwargs {text!r}: write name=value pairs separated by commas, "
                              f"e.g. N=5,local_ratio=0.3")
-    return parse_pairs(text)
+        with contextlib.suppress(ValueError, SyntaxError):
+            value = ast.literal_eval(value)
+        pairs[key] = value
+    return pairs
 
 
 def find_env_module(env_id: str):
