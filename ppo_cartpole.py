@@ -92,7 +92,7 @@ def parse_config(argv=None) -> Config:
                 return int(number)
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = refuse
     for flag, f in flags.items():
@@ -1103,6 +1103,15 @@ class RunGuard(Run):
             self.ranks.close()
 
 
+def tell(line: str):
+    """Print a line of the run's; output that cannot be written (`| head`, a full disk) never
+    stops the run: from then on it goes to /dev/null."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 class RunLog:
     """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
     second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
@@ -1128,7 +1137,7 @@ class RunLog:
 
     def say(self, line: str):
         if self.writer is not None:
-            print(line, flush=True)
+            tell(line)
 
     def start(self):
         """What runs where, what differs from the defaults, and how far it goes."""
@@ -1356,8 +1365,9 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    typed = getattr(given, "typed", None)  # the command line's flags (None: Config(...) in code)
     changed = {f.name: getattr(given, f.name) for f in fields
-               if getattr(given, f.name) != f.default}
+               if (f.name in typed if typed is not None else getattr(given, f.name) != f.default)}
     for name in ("env", "hidden_size"):
         if name in changed and changed[name] != saved.get(name):
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
@@ -1544,10 +1554,19 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
 # ----- The command line ---------------------------------------------------------------------------
 
 
+def typed_fields(argv: list) -> set:
+    """The Config fields a command line names: on --resume, a flag typed wins whatever its value."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    typed = {word[2:].split("=")[0].replace("-", "_") for word in argv if word.startswith("--")}
+    return {name[3:] if name not in names and name.startswith("no_") else name for name in typed}
+
+
 def command_line(argv=None) -> int:
     """Run as a command; returns the exit status: 0, 1 after a failure, 2 for bad input, 128 + the
     signal after Ctrl-C or SIGTERM."""
-    main = Main(parse_config(argv))
+    config = parse_config(argv)
+    config.typed = typed_fields(sys.argv[1:] if argv is None else argv)
+    main = Main(config)
     try:
         main.run()
     except UsageError as error:
