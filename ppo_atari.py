@@ -18,7 +18,6 @@ import dataclasses
 import difflib
 import math
 import multiprocessing
-import random
 import time
 import typing
 from collections import deque
@@ -89,7 +88,7 @@ def parse_config(argv=None) -> Config:
                 return int(number)
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}")
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = refuse
     for flag, f in flags.items():
@@ -179,6 +178,16 @@ class Game:
         return obs, float(np.sign(reward)), terminated, truncated, info
 
 
+class StepResult(typing.NamedTuple):
+    """What one step of all the games gives the trainer, besides the observations."""
+
+    rewards: np.ndarray  # [num_envs] float32, clipped to their sign
+    terminated: np.ndarray  # [num_envs] bool: the training episode ended (a life lost, game over)
+    truncated: np.ndarray  # [num_envs] bool: ALE's frame limit cut the game
+    final_obs: dict  # game index -> the last observation of the episode that ended there
+    episodes: dict  # game index -> {"return", "length"} of the whole game that ended there
+
+
 class Worker:
     """Runs several Games in a child process, on a core of its own: actions go down a pipe,
     rewards, flags and ended episodes come back; observations skip it (shared memory: obs_view)."""
@@ -211,11 +220,15 @@ class Worker:
         while (command := conn.recv())[0] == "step":
             conn.send(("ok", self.step_games(games, command[1], obs_view)))
 
-    def send_step(self, actions: np.ndarray):
+    def step(self, actions: np.ndarray) -> StepResult:  # step_games' answer, from the child
         self.trainer_end.send(("step", actions))
+        return StepResult(*self.receive())
 
-    def receive(self) -> tuple:  # the last send_step's result; observations are in obs_view
+    def receive(self) -> tuple:  # the child's answer (observations: in obs_view)
         return self.trainer_end.recv()[1]
+
+    def observations(self) -> torch.Tensor:  # the Games' current observations (shared memory)
+        return torch.from_numpy(self.obs_view)
 
     def close(self):
         self.trainer_end.send(("close", None))
@@ -295,8 +308,7 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
         not_done = 1.0 - dones[t]
         delta = rewards[t] + gamma * next_value * not_done - values[t]
         next_advantage = delta + gamma * gae_lambda * not_done * next_advantage
-        advantages[t] = next_advantage
-        next_value = values[t]
+        advantages[t], next_value = next_advantage, values[t]
     return advantages
 
 
@@ -310,41 +322,24 @@ class Minibatch(typing.NamedTuple):  # a shuffled slice of the rollout: what the
 
 
 class Rollout:
-    """What the policy saw, did and got: [num_steps, num_envs, ...], on the device. Each picture is
-    stored once (7,056 bytes a step, not 28,224) and the stacks rebuilt from `restarts[t]`: stacks
-    restarted after step t (with Game at a lost life too, with ale-vector only at game over)."""
+    """What the policy saw, did and got: [num_steps, num_envs, ...], on the device; what the games
+    return stays on the host until the update. (Below the banner, each picture is stored once.)"""
 
     def __init__(self, config: Config, device: torch.device):
-        self.num_envs, self.device = config.num_envs, device
         shape = (config.num_steps, config.num_envs)
-        self.pictures = torch.zeros((config.num_steps + FRAME_STACK, config.num_envs, FRAME_SIZE,
-                                     FRAME_SIZE), dtype=torch.uint8, device=device)
+        self.obs = torch.zeros(shape + (FRAME_STACK, FRAME_SIZE, FRAME_SIZE), dtype=torch.uint8,
+                               device=device)
         self.actions = torch.zeros(shape, dtype=torch.long, device=device)
         self.log_probs, self.values = (torch.zeros(shape, device=device) for _ in range(2))
-        pinned = device.type == "cuda"  # what the games return stays on the host until the update
+        pinned = device.type == "cuda"
         self.rewards, self.dones = (torch.zeros(shape, pin_memory=pinned) for _ in range(2))
-        self.restarts = torch.zeros(shape, dtype=torch.bool, pin_memory=pinned)
 
-    def store_obs(self, step: int, obs: torch.Tensor):  # the newest picture (at step 0: all four)
-        new = FRAME_STACK if step == 0 else 1  # (row t + 3 holds the newest picture of step t)
-        self.pictures[step + FRAME_STACK - new:step + FRAME_STACK] = obs[:, -new:].transpose(0, 1)
+    def store_obs(self, step: int, obs: torch.Tensor):
+        self.obs[step] = obs
 
     def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:  # flat indices
-        return Minibatch(self.stacks(indices), *(column.flatten()[indices] for column in (
-            self.actions, self.log_probs, advantages, returns, self.values)))
-
-    def stacks(self, indices: torch.Tensor) -> torch.Tensor:
-        """The observations [batch, 4, 84, 84] of flat indices, exactly as the games built them."""
-        restarts = self.restarts.to(self.device, non_blocking=True).long()
-        counts = torch.cat([restarts[:1] * 0, restarts.cumsum(0)])  # restarts before each step
-        steps, envs = indices // self.num_envs, indices % self.num_envs
-        # Picture k of step t's stack is the newest of step t - 3 + k, in row t + k (rows 0-2: the
-        # first stack's older ones), unless the stack restarted since: then the zeros (last row).
-        rows = steps[:, None] + torch.arange(FRAME_STACK, device=self.device)
-        since = counts[(rows - (FRAME_STACK - 1)).clamp(min=0), envs[:, None]]
-        rows = torch.where(since == counts[steps, envs][:, None], rows, len(self.pictures) - 1)
-        flat_rows = (rows * self.num_envs + envs[:, None]).flatten()  # one gather of pictures:
-        return self.pictures.flatten(0, 1).index_select(0, flat_rows).unflatten(0, rows.shape)
+        columns = (self.actions, self.log_probs, advantages, returns, self.values)
+        return Minibatch(self.obs.flatten(0, 1)[indices], *(c.flatten()[indices] for c in columns))
 
 
 class Trainer:
@@ -418,51 +413,9 @@ class Trainer:
         return stats
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
-
-    rewards: np.ndarray  # [num_envs] float32, clipped to their sign
-    terminated: np.ndarray  # [num_envs] bool: the training episode ended (a life lost, game over)
-    truncated: np.ndarray  # [num_envs] bool: ALE's frame limit cut the game
-    restarted: np.ndarray  # [num_envs] bool: the game's frame stack starts afresh (see Rollout)
-    final_obs: dict  # game index -> the last observation of the episode that ended there
-    episodes: dict  # game index -> {"return", "length"} of the whole game that ended there
-
-
-class WorkerPool:
-    """All num_envs Games in max(num_workers, 1) Workers, game i seeded with first_seed + i; their
-    observations in one tensor in shared memory, each Worker writing its rows."""
-
-    def __init__(self, config: Config, first_seed: int, device: torch.device):
-        shape = (config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
-        self.obs, self.device = torch.zeros(shape, dtype=torch.uint8).share_memory_(), device
-        self.size = n = config.num_envs // max(config.num_workers, 1)  # Games per Worker
-        self.workers = [Worker(i, config.env, first_seed + i * n, self.obs[i * n:][:n].numpy())
-                        for i in range(max(config.num_workers, 1))]
-
-    def observations(self) -> torch.Tensor:  # the Games' current observations, on the device
-        return self.obs.to(self.device)
-
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Send every Worker its actions first, then collect: the children play in parallel."""
-        for i, worker in enumerate(self.workers):
-            worker.send_step(actions[i * self.size:][:self.size])
-        results = [worker.receive() for worker in self.workers]
-        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[:3])
-        final_obs, episodes = ({i * self.size + j: item for i, result in enumerate(results)
-                                for j, item in result[part].items()} for part in (3, 4))
-        restarted = terminated | truncated  # a Game's stack restarts at every episode's end
-        return StepResult(rewards, terminated, truncated, restarted, final_obs, episodes)
-
-    def close(self):
-        for worker in self.workers:
-            worker.close()
-
-
 class Run:
-    """The plain run that `Main.train` talks to: the seed, the device, the games, a progress line
-    and the summary: all the lesson needs to train. Below the banner, `RunGuard` extends it with
-    Ctrl-C, checkpoints, the non-finite guard, torchrun, logging and the fast engines."""
+    """The plain run `Main.train` talks to: seeds, device, the games, progress, summary. `RunGuard`,
+    below the banner, extends it: Ctrl-C, checkpoints, NaN guard, torchrun, the fast engines."""
 
     def __init__(self, main: "Main"):
         self.main, self.config, self.games, self.summary = main, main.config, None, None
@@ -472,22 +425,23 @@ class Run:
         """Seed torch's draws (sampling, shuffling), pick the device, ask a Game its actions."""
         config, self.start_time = self.config, time.perf_counter()
         torch.manual_seed(config.seed)
-        use_cuda = config.device != "cpu" and torch.cuda.is_available()
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device, self.steps_per_step = torch.device("cuda" if cuda else "cpu"), config.num_envs
         game = Game(config.env, config.seed)
-        self.num_actions, self.steps_per_step = int(game.env.action_space.n), config.num_envs
+        self.num_actions = int(game.env.action_space.n)
         game.close()
         return self
 
-    # What the machinery does here: the step to start from (--resume's), whether to end the
-    # rollout at once (Ctrl-C), the mean of a number over the processes that train (torchrun).
-    prepare_learner = lambda self: 0
-    stop_at_once = lambda self: False
-    mean = lambda self, value: value
+    prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
+    stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
+    mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
+    rollout_class = Rollout  # (RunGuard's stores each picture once: PictureRollout)
 
-    def start_games(self) -> WorkerPool:
-        """All the games in Workers, game i seeded with seed + i."""
-        self.games = WorkerPool(self.config, self.config.seed, self.device)
+    def start_games(self) -> Worker:
+        """All the games in one Worker, game i seeded with seed + i."""
+        shape = (self.config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
+        obs = torch.zeros(shape, dtype=torch.uint8).share_memory_()
+        self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
         return self.games
 
     def after_rollout(self, ended: list):
@@ -505,7 +459,7 @@ class Run:
         speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
         print(f"step {step:,} | {speed:,.0f} steps/s | return {mean:.1f} | updates {self.updates}")
 
-    def __exit__(self, kind, error, traceback) -> bool:
+    def __exit__(self, kind, error, traceback):
         """Close the games and keep the summary; an error goes on up."""
         if self.games is not None:
             self.games.close()
@@ -514,7 +468,6 @@ class Run:
                         "steps": getattr(self.main, "global_step", 0), "seconds": seconds,
                         "episodes": self.episodes, "solved_step": self.solved_step,
                         "mean_return_100": float(np.mean(self.returns)) if self.returns else None}
-        return False
 
     @staticmethod
     def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
@@ -529,10 +482,7 @@ class Main:
         self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
 
     def run(self) -> dict:
-        """Train (or, with --eval, play a checkpoint) and return the summary as a dict."""
-        # The one place the lesson picks up the machinery below the banner: RunGuard extends the
-        # plain Run with Ctrl-C, checkpoints, the non-finite guard, torchrun and the fast engines.
-        # Cut at the banner, the lesson runs with Run alone.
+        # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
         run_class = globals().get("RunGuard", Run)
         return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
@@ -544,9 +494,9 @@ class Main:
             self.model.to(guard.device, memory_format=torch.channels_last)  # faster convolutions
             self.trainer = Trainer(self.model, config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
-            # Below the banner ale-py plays the games in C++ by default, the same as Game (tested).
-            self.games, self.rollout = guard.start_games(), Rollout(config, guard.device)
-            next_obs = self.games.observations()
+            self.games = guard.start_games()  # (RunGuard's: ale-py's C++ engine, the same game)
+            self.rollout = guard.rollout_class(config, guard.device)
+            next_obs = self.games.observations().to(guard.device)
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -574,7 +524,7 @@ class Main:
             actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
             rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
-            next_obs = self.games.observations()
+            next_obs = self.games.observations().to(device)
             # Truncation is not death: a cut episode's last reward gets gamma * V(final obs).
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
@@ -582,7 +532,6 @@ class Main:
                 result.rewards[cut] += config.gamma * self.model.value(cut_obs).cpu().numpy()
             rollout.rewards[step] = torch.from_numpy(result.rewards)
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated)
-            rollout.restarts[step] = torch.from_numpy(result.restarted)  # see Rollout
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]  # games
         self.guard.after_rollout(ended)  # record the games; stop here on Ctrl-C
@@ -590,11 +539,10 @@ class Main:
 
     @torch.no_grad()
     def estimate_advantages(self, next_obs: torch.Tensor):  # (advantages, returns) by GAE
-        last_value = self.model.value(next_obs)
-        rollout, device = self.rollout, self.guard.device
+        rollout, config, device = self.rollout, self.config, self.guard.device
         rewards, dones = (t.to(device, non_blocking=True) for t in (rollout.rewards, rollout.dones))
-        advantages = compute_gae(rewards, rollout.values, dones, last_value, self.config.gamma,
-                                 self.config.gae_lambda)
+        advantages = compute_gae(rewards, rollout.values, dones, self.model.value(next_obs),
+                                 config.gamma, config.gae_lambda)
         return advantages, advantages + rollout.values
 
     def learn(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
@@ -634,6 +582,7 @@ import json
 import logging
 import multiprocessing.connection
 import os
+import random
 import signal
 import sys
 import threading
@@ -673,7 +622,7 @@ class GuardedWorker(Worker):
 
     def send_step(self, actions: np.ndarray):
         with contextlib.suppress(OSError):  # a child that is gone: receive() says how
-            super().send_step(actions)
+            self.trainer_end.send(("step", actions))
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
@@ -745,10 +694,10 @@ class Engine:
         return self.staging.to(self.device, non_blocking=True)
 
 
-class GuardedWorkerPool(Engine, WorkerPool):
-    """The lesson's WorkerPool made safe (`--env-backend game`): GuardedWorkers (one InProcessWorker
-    with --num-workers 0), the workers started so far closed if one fails to start, and on a GPU
-    the page-locked copy (Engine). Stepping and closing are the lesson's."""
+class WorkerPool(Engine):
+    """`--env-backend game`: num_workers GuardedWorkers of num_envs / num_workers Games (with
+    --num-workers 0, one InProcessWorker), game i seeded with first_seed + i, their observations in
+    shared memory (on a GPU, copied as Engine does); if a worker fails, those before it close."""
 
     def __init__(self, config: Config, first_seed: int, device: torch.device):
         self.workers, self.size = [], config.num_envs // max(config.num_workers, 1)
@@ -764,32 +713,38 @@ class GuardedWorkerPool(Engine, WorkerPool):
             self.close()  # the workers started so far
             raise
 
+    def step(self, actions: np.ndarray) -> StepResult:
+        """Send every Worker its actions first, then collect: the children play in parallel."""
+        for i, worker in enumerate(self.workers):
+            worker.send_step(actions[i * self.size:][:self.size])
+        results = [worker.receive() for worker in self.workers]
+        rewards, terminated, truncated = (np.concatenate(part) for part in list(zip(*results))[:3])
+        final_obs, episodes = ({i * self.size + j: item for i, result in enumerate(results)
+                                for j, item in result[part].items()} for part in (3, 4))
+        return StepResult(rewards, terminated, truncated, final_obs, episodes)
+
+    def close(self):
+        for worker in self.workers:
+            worker.close()
+
 
 class VectorGames(Engine):
     """All the games at once in ale-py's vector env, `ale_py.vector_env.AtariVectorEnv`
-    (`--env-backend ale-vector`): the Game's preprocessing in C++, the games stepped by a pool of
-    threads in this process, no child processes, no pipes. It is configured to keep the Game's
-    contract: the same frames, 4-frame repeat with the max of the last two, 84x84 area resize, a
-    stack of zeros and the first picture at a reset, no-op starts, sticky actions as the id asks,
-    ALE's 108,000-frame limit as truncation, raw rewards (clipped here, so that the real score is
-    reported), a life loss as a termination (`life_loss_info`) while the game goes on, and an ended
-    game's next observation already the new game's first (same-step autoreset). Made to do here:
-    - Serve after a lost life (as FireResetEnv): in games that need FIRE, the step after a lost life
-      sends FIRE in place of the policy's action, stored and scored as sampled: at that state every
-      action does the same, so its advantage favours none.
-    - Tell game over from a lost life by the emulator's frame counter, which goes back when a new
-      game starts (lives would read a game that ends with bonus lives as a lost life).
-    What differs from the Game (tests/test_atari_game.py holds everything else equal):
-    - FIRE: the Game presses FIRE then 2 for 4 frames each, unseen, at a reset and after the NOOP
-      step that follows a lost life; the vector env presses FIRE for one frame at a reset, and
-      here for one agent step after a lost life (a life costs one step more).
-    - After a life loss the vector env plays on (no NOOP step) and its frame stack goes on: a stack
-      restarts only when a game ends (`restarted`), and the rollout rebuilds stacks so.
-    - The newest picture of an ended game's `final_obs` comes from other frames than the Game's
-      (tests: under 5% of its pixels differ); it is read only to bootstrap a game cut by the time
-      limit, at most once per 27,000 steps.
-    - No-op counts come from the vector env's own seeded generator, and points scored during
-      no-ops or FIRE at a reset are not seen (rare; the Game counts them)."""
+    (`--env-backend ale-vector`): the Game's preprocessing in C++, stepped by threads in this
+    process, no child processes, no pipes. Configured to keep the Game's contract (the same frames,
+    4-frame repeat with the max of the last two, 84x84 area resize, a stack of zeros and the first
+    picture at a reset, no-op starts, sticky actions as the id asks, ALE's 108,000-frame limit as
+    truncation, raw rewards clipped here so that the real score is reported, a lost life as a
+    termination while the game goes on, same-step autoreset). Done here: after a lost life, games
+    that need FIRE get FIRE in place of the policy's action (FireResetEnv; stored and scored as
+    sampled: every action does the same there, so its advantage favours none); game over is told
+    from a lost life by the emulator's frame counter, which goes back when a new game starts.
+    What differs from the Game (tests/test_atari_game.py holds everything else equal): FIRE is one
+    frame at a reset and one agent step after a lost life (the Game: FIRE then 2, 4 frames each,
+    unseen, after a NOOP step); the frame stack plays on after a lost life; the newest picture of
+    an ended game's `final_obs` comes from other frames (under 5% of pixels differ; read only to
+    bootstrap a time-limit cut); no-op counts come from the vector env's own seeded generator, and
+    points scored during no-ops or a reset's FIRE are not seen (rare)."""
 
     def __init__(self, env_id: str, seeds: list, device: torch.device = torch.device("cpu"),
                  noop_max: int = 30):
@@ -832,7 +787,7 @@ class VectorGames(Engine):
                            "length": int(self.episode_lengths[i])}
             self.episode_returns[i], self.episode_lengths[i] = 0.0, 0
         rewards = np.sign(raw_rewards).astype(np.float32)
-        return StepResult(rewards, terminated, truncated, restarted, final_obs, episodes)
+        return StepResult(rewards, terminated, truncated, final_obs, episodes)
 
     @staticmethod
     def endings(terminated: np.ndarray, episode_frames: np.ndarray, previous_frames: np.ndarray):
@@ -845,15 +800,52 @@ class VectorGames(Engine):
     def close(self):
         self.env.close()
 
+
+class PictureRollout(Rollout):
+    """The lesson's Rollout, each picture stored once (7,056 bytes a step, not 28,224): a stack's
+    older pictures are the newest of the steps before, unless it started afresh (`fresh[t]`: its
+    three older pictures all zero, as both engines restart one; other zeros rebuild as zeros)."""
+
+    def __init__(self, config: Config, device: torch.device):  # the lesson's, less `obs`
+        self.num_envs, self.device = config.num_envs, device
+        shape = (config.num_steps, config.num_envs)
+        self.pictures = torch.zeros((config.num_steps + FRAME_STACK, config.num_envs, FRAME_SIZE,
+                                     FRAME_SIZE), dtype=torch.uint8, device=device)
+        self.fresh = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.actions = torch.zeros(shape, dtype=torch.long, device=device)
+        self.log_probs, self.values = (torch.zeros(shape, device=device) for _ in range(2))
+        pinned = device.type == "cuda"
+        self.rewards, self.dones = (torch.zeros(shape, pin_memory=pinned) for _ in range(2))
+
+    def store_obs(self, step: int, obs: torch.Tensor):  # the newest picture (at step 0: all four)
+        new = FRAME_STACK if step == 0 else 1  # (row t + 3 holds the newest picture of step t)
+        self.pictures[step + FRAME_STACK - new:step + FRAME_STACK] = obs[:, -new:].transpose(0, 1)
+        self.fresh[step] = step > 0 and obs[:, :-1].flatten(1).amax(1) == 0  # older ones all 0
+
+    def minibatch(self, indices: torch.Tensor, advantages, returns) -> Minibatch:
+        columns = (self.actions, self.log_probs, advantages, returns, self.values)
+        return Minibatch(self.stacks(indices), *(c.flatten()[indices] for c in columns))
+
+    def stacks(self, indices: torch.Tensor) -> torch.Tensor:
+        """The observations [batch, 4, 84, 84] of flat indices, exactly as the games built them."""
+        counts = self.fresh.long().cumsum(0)  # stacks started afresh after step 0, up to step t
+        steps, envs = indices // self.num_envs, indices % self.num_envs
+        # Picture k of step t's stack is the newest of step t - 3 + k, in row t + k (rows 0-2: the
+        # first stack's older ones), unless a stack started afresh since: then zeros (last row).
+        rows = steps[:, None] + torch.arange(FRAME_STACK, device=self.device)
+        since = counts[(rows - (FRAME_STACK - 1)).clamp(min=0), envs[:, None]]
+        rows = torch.where(since == counts[steps, envs][:, None], rows, len(self.pictures) - 1)
+        flat_rows = (rows * self.num_envs + envs[:, None]).flatten()  # one gather of pictures:
+        return self.pictures.flatten(0, 1).index_select(0, flat_rows).unflatten(0, rows.shape)
+
 # ----- Compilation -------------------------------------------------------------------------------
 
 
 def compile_learner(main: Main):
-    """torch.compile fuses the network's operations into fewer, faster kernels, for the rollout's
-    inference and the loss (its backward compiled with it). Compiling the bound methods, not the
-    module, keeps the checkpoint's parameter names. Both are compiled here, on inputs of the sizes
-    they will see, so that a machine that cannot compile falls back to eager at once, with a
-    warning. (The Adam is torch's: compiling imports what it needs anyway.)"""
+    """torch.compile fuses the network into fewer, faster kernels, for the rollout's inference and
+    the loss (its backward with it); compiling the bound methods keeps the checkpoint's parameter
+    names. Both are compiled now, on inputs of the sizes they will see, so that a machine that
+    cannot compile falls back to eager at once, with a warning."""
     model, trainer, config, device = main.model, main.trainer, main.config, main.guard.device
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     eager_forward, eager_loss = model.forward, trainer.compute_loss
@@ -863,8 +855,7 @@ def compile_learner(main: Main):
         model.forward = torch.compile(eager_forward, mode=config.compile_mode)
         trainer.compute_loss = torch.compile(eager_loss, mode=config.compile_mode)
         obs = torch.zeros((config.num_envs, *picture), dtype=torch.uint8, device=device)
-        # The network runs under inference_mode in the rollout and under no_grad for the last
-        # value: the compiled code is specialised to each, so both are compiled now.
+        # Compiled code is specialised to inference_mode (the rollout) and no_grad (the last value)
         with torch.inference_mode():
             model.act(obs)
         with torch.no_grad():
@@ -1034,6 +1025,7 @@ class RunGuard(Run):
         self.ranks = self.games = self.log = self.summary = None
 
     config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
+    rollout_class = PictureRollout  # the lesson's Rollout, each picture stored once
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     @staticmethod
@@ -1098,7 +1090,7 @@ class RunGuard(Run):
         config, first_seed = self.config, self.config.seed + self.ranks.rank * self.config.num_envs
         self.games = (VectorGames(config.env, [first_seed + i for i in range(config.num_envs)],
                                   self.device) if config.env_backend == "ale-vector" else
-                      GuardedWorkerPool(config, first_seed, self.device))
+                      WorkerPool(config, first_seed, self.device))
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1169,6 +1161,14 @@ class RunGuard(Run):
             self.ranks.close()
 
 
+def tell(line: str):
+    """Print a line; output that cannot be written (`| head`, a full disk) goes to /dev/null."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 class RunLog:
     """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
     second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
@@ -1194,7 +1194,7 @@ class RunLog:
 
     def say(self, line: str):
         if self.writer is not None:
-            print(line, flush=True)
+            tell(line)
 
     def start(self):
         """What runs where, what differs from the defaults, and how far it goes."""
@@ -1220,9 +1220,9 @@ class RunLog:
                  + (", torch.compile" if config.compile else ""))
         where = (f"{config.num_envs // config.num_workers} per Worker in {config.num_workers} "
                  f"child processes" if config.num_workers else "in this process")
-        self.say("engine: " + ("ale-py's vector engine (C++), the same game as Game; --env-backend "
-                               "game plays the lesson's Game" if config.env_backend == "ale-vector"
-                               else f"the lesson's Game, {where}"))
+        self.say("engine: " + (f"the lesson's Game, {where}" if config.env_backend == "game" else
+                               "ale-py's vector engine (C++), the same game as Game; "
+                               "--env-backend game plays the lesson's Game"))
         if config.compile:
             self.say("compiling the model and the update (torch.compile, once per run; this can "
                      "take a minute)...")
@@ -1427,12 +1427,12 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    typed = getattr(given, "typed", None)  # the command line's flags (None: Config(...) in code)
     changed = {f.name: getattr(given, f.name) for f in fields
-               if getattr(given, f.name) != f.default}
-    for name in ("env",):
-        if name in changed and changed[name] != saved.get(name):
-            raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
-                             f"{saved.get(name)}, not {changed[name]}")
+               if (f.name in typed if typed is not None else getattr(given, f.name) != f.default)}
+    if "env" in changed and changed["env"] != saved.get("env"):
+        raise UsageError(f"the checkpoint was trained with --env {saved['env']}, not "
+                         f"{changed['env']}")
     return Config(**{**saved, **changed})
 
 # ----- Evaluation and video -----------------------------------------------------------------------
@@ -1600,10 +1600,19 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
 # ----- The command line ---------------------------------------------------------------------------
 
 
+def typed_fields(argv: list) -> set:
+    """The Config fields a command line names: on --resume, a flag typed wins whatever its value."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    typed = {word[2:].split("=")[0].replace("-", "_") for word in argv if word.startswith("--")}
+    return {name[3:] if name not in names and name.startswith("no_") else name for name in typed}
+
+
 def command_line(argv=None) -> int:
     """Run as a command; returns the exit status: 0, 1 after a failure, 2 for bad input, 128 + the
     signal after Ctrl-C or SIGTERM."""
-    main = Main(parse_config(argv))
+    config = parse_config(argv)
+    config.typed = typed_fields(sys.argv[1:] if argv is None else argv)
+    main = Main(config)
     try:
         main.run()
     except UsageError as error:

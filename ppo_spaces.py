@@ -1270,8 +1270,7 @@ class RunGuard(Run):
 
 
 def tell(line: str):
-    """Print a line of the run's; output that cannot be written (`| head`, a full disk) never
-    stops the run: from then on it goes to /dev/null."""
+    """Print a line; output that cannot be written (`| head`, a full disk) goes to /dev/null."""
     try:
         print(line, flush=True)
     except OSError:

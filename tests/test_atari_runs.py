@@ -135,7 +135,8 @@ def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundarie
         # the later rollouts start from stacks that reach into the one before
         rebuilt = main.rollout.stacks(torch.arange(100 * 2))
         assert torch.equal(rebuilt, torch.stack(seen).flatten(0, 1)), f"rollout {len(counts)}"
-        counts.append((int(main.rollout.dones.sum()), int(main.rollout.restarts.sum())))
+        # fresh[t]: step t's stack started afresh, after an ending at step t - 1
+        counts.append((int(main.rollout.dones[:-1].sum()), int(main.rollout.fresh[1:].sum())))
         seen.clear()
         return learn(main, advantages, returns)
 
@@ -154,7 +155,7 @@ def test_rebuilt_stacks_equal_the_games_stacks_across_episode_and_life_boundarie
 
 
 def test_the_rollout_buffer_stores_each_picture_once():
-    rollout = pa.Rollout(pa.Config(num_envs=2, num_steps=2048), torch.device("cpu"))
+    rollout = pa.PictureRollout(pa.Config(num_envs=2, num_steps=2048), torch.device("cpu"))
     buffers = [value for value in vars(rollout).values() if isinstance(value, torch.Tensor)]
     bytes_per_step = sum(tensor.nbytes for tensor in buffers) / (2048 * 2)
     assert bytes_per_step <= 7_100  # a float32 stack would be 112,896, a uint8 stack 28,224
@@ -298,8 +299,8 @@ def test_a_time_limit_cut_gets_gamma_times_the_value_of_its_final_observation_an
     observations = lambda: torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8, generator=generator)
     final_obs = observations()
     no, rewards = np.zeros(3, dtype=bool), [np.array([1.0, -1.0, 0.0], np.float32), np.array([1.0, -1.0, 1.0], np.float32)]
-    results = [pa.StepResult(rewards[0], no, no, no, {}, {}),
-               pa.StepResult(rewards[1], np.array([False, True, True]), np.array([True, False, True]), ~no,
+    results = [pa.StepResult(rewards[0], no, no, {}, {}),
+               pa.StepResult(rewards[1], np.array([False, True, True]), np.array([True, False, True]),
                              {i: final_obs[i].numpy() for i in range(3)}, {0: {"return": 4.0, "length": 2}})]
 
     class Games:  # what an engine gives the loop

@@ -1,0 +1,52 @@
+"""Runs that hold (issue 41), through the command line where the user meets each case: a flag typed
+on --resume wins whatever its value, output that cannot be written never stops a run or loses it,
+and a flag's prefix is not taken for the flag."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from test_command_line import ENVIRON, ROLLOUT, RUN_FLAGS, SCRIPTS, SMALL, error_line, run_script
+
+
+def small_run(script, run_dir, total, *args):
+    return run_script(script, *SMALL[script], *RUN_FLAGS[script], "--total-timesteps", total,
+                      "--run-dir", run_dir, *args, timeout=300)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_flag_typed_on_resume_wins_even_when_it_equals_the_default(script, tmp_path):
+    first = small_run(script, tmp_path / "run", ROLLOUT[script], "--no-anneal-lr")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_script(script, "--resume", tmp_path / "run", "--total-timesteps",
+                         2 * ROLLOUT[script], "--anneal-lr", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    config = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["config"]
+    assert config["anneal_lr"] is True  # typed, though it is the default: it wins
+    assert config["total_timesteps"] == 2 * ROLLOUT[script]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_closed_stdout_neither_stops_nor_loses_the_run(script, tmp_path):
+    # `python ppo_x.py | head -1`: the reader goes away after the first line.
+    total = 4 * ROLLOUT[script]
+    command = [sys.executable, f"{script}.py", *map(str, SMALL[script]), *RUN_FLAGS[script],
+               "--total-timesteps", str(total), "--run-dir", str(tmp_path / "run")]
+    process = subprocess.Popen(command, cwd=ROOT, env=ENVIRON, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stdout.readline()
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == total and (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_prefix_of_a_flag_is_refused_and_the_flag_suggested(script):
+    line = error_line(run_script(script, "--learning-rat", "0.1", timeout=120))
+    assert "--learning-rat" in line and "did you mean --learning-rate?" in line, line
