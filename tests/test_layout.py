@@ -11,21 +11,16 @@ from conftest import ROOT
 SCRIPTS = ["ppo_atari.py", "ppo_cartpole.py", "ppo_continuous.py", "ppo_memory.py",
            "ppo_multiagent.py", "ppo_spaces.py"]
 BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
-# The lesson's measures (GUIDE.md, section 1): a lesson of at most 500 lines, 600 for ppo_memory.py,
-# which holds 780: its memory ideas add ~255 lines to a PPO lesson of ~500 (since issue 24, a memory
-# each for the actor and the critic, and reward scaling, ~20), and every one of them belongs above
-# the banner. A file's limit is the size reached: the machinery's code and blank lines alone, with
-# no docstring or comment at all, are 870-1,020 lines in every file, more than the 750 that a
-# 1,250-line file leaves below a 500-line lesson (benchmarks/README.md, "The lesson's measures").
-# These limits keep a lesson, and a file, from growing back.
-# ppo_spaces.py holds 621 (647 before issue 22's compaction): its leaf helpers, encoders, heads and
-# masks add ~125 to a PPO lesson of ~490, and the 3-names rule keeps each of them above the banner;
-# ppo_multiagent.py 618: policy groups and Gaussian heads (issue 23) add ~120.
-# The CPU's NumPy paths (issue 25) add ~200 lines to ppo_cartpole.py, ~250 to ppo_continuous.py.
-LESSON_LINES = {"ppo_atari.py": 500, "ppo_cartpole.py": 500, "ppo_continuous.py": 500,
-                "ppo_memory.py": 780, "ppo_multiagent.py": 618, "ppo_spaces.py": 621}
-FILE_LINES = {"ppo_atari.py": 1527, "ppo_cartpole.py": 1745, "ppo_continuous.py": 1902,
-              "ppo_memory.py": 1817, "ppo_multiagent.py": 1852, "ppo_spaces.py": 1831}
+# The lesson's measures (GUIDE.md, section 1, and issue 35): the lesson runs alone, so it now holds
+# its plain run (Run, StepResult, Worker.step, the env's sizes: 60-90 lines) on top of what it held;
+# ppo_multiagent.py's return statistics and ppo_spaces.py's observation normalisation moved into it.
+# GUIDE's targets (500; memory 650; multiagent and spaces 600) are not met: benchmarks/README.md,
+# "The lesson's measures", gives each lesson's lines by kind. These limits keep a lesson, and a
+# file, from growing back.
+LESSON_LINES = {"ppo_atari.py": 569, "ppo_cartpole.py": 552, "ppo_continuous.py": 587,
+                "ppo_memory.py": 845, "ppo_multiagent.py": 803, "ppo_spaces.py": 767}
+FILE_LINES = {"ppo_atari.py": 1634, "ppo_cartpole.py": 1587, "ppo_continuous.py": 1996,
+              "ppo_memory.py": 1875, "ppo_multiagent.py": 1950, "ppo_spaces.py": 1902}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 3
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",
@@ -126,6 +121,37 @@ def test_the_machinery_has_the_same_parts_in_the_same_order(script):
     _, tree = parsed(script)
     definitions = list(top_level(tree))
     assert [name for name in definitions if name in MACHINERY] == MACHINERY
+
+
+# The machinery that is the same in every script, byte for byte: a fix made in one is copied to all.
+SAME_EVERYWHERE = ["not_the_cuda_home_warning", "Ranks", "RankError", "UsageError", "WorkerError",
+                   "Interrupted", "NonFiniteLoss", "FAILURES", "load_optimizer", "continued_schedule",
+                   "save_checkpoint", "find_checkpoint", "load_checkpoint", "RANGES",
+                   "pick_device", "RUN_FILES", "typed_fields", "tell", "command_line"]
+
+
+def definition_texts(script):
+    """Each module-level definition's source text, decorators included: {name: text}."""
+    source, tree = parsed(script)
+    lines, texts = source.splitlines(), {}
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            name = node.name
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+        else:
+            continue
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        texts[name] = "\n".join(lines[start - 1:node.end_lineno])
+    return texts
+
+
+@pytest.mark.parametrize("name", SAME_EVERYWHERE)
+def test_the_shared_machinery_is_byte_identical_in_every_script(name):
+    texts = {script: definition_texts(script).get(name) for script in SCRIPTS}
+    assert None not in texts.values(), [script for script, text in texts.items() if text is None]
+    first = texts[SCRIPTS[0]]
+    assert [script for script, text in texts.items() if text != first] == []
 
 
 def test_one_name_means_one_thing_in_every_script():
