@@ -107,7 +107,7 @@ def test_two_ranks_train_one_network_and_count_the_steps_of_both(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 8 * GLOBAL_BATCH and not summary["interrupted"]
     checkpoint = checkpoint_of(tmp_path)
     assert checkpoint["global_step"] == 8 * GLOBAL_BATCH and checkpoint["updates"] == 8
-    assert checkpoint["optimizer"]["steps"] == 8 * 8 * 2  # updates x epochs x minibatches, as alone
+    assert checkpoint["optimizer"]["state"][0]["step"] == 8 * 8 * 2  # updates x epochs x minibatches, as alone
     assert result.stdout.count("finished at step") == 1  # rank 0 alone prints and logs
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
 
@@ -152,8 +152,8 @@ def test_one_rank_under_torchrun_equals_a_run_alone(tmp_path):
     ours, theirs = checkpoint_of(tmp_path / "torchrun"), checkpoint_of(tmp_path / "alone")
     for key in ours["model"]:
         assert torch.equal(ours["model"][key], theirs["model"][key]), key
-    for mine, other in zip(ours["optimizer"]["exp_avg_sq"], theirs["optimizer"]["exp_avg_sq"]):
-        assert torch.equal(mine, other)
+    for mine, other in zip(ours["optimizer"]["state"].values(), theirs["optimizer"]["state"].values()):
+        assert torch.equal(mine["exp_avg_sq"], other["exp_avg_sq"])
 
 
 def test_target_kl_stops_the_epochs_of_all_ranks_together(tmp_path):
@@ -164,7 +164,7 @@ def test_target_kl_stops_the_epochs_of_all_ranks_together(tmp_path):
     assert result.returncode == 0, result.stderr
     checkpoint = checkpoint_of(tmp_path)
     assert checkpoint["global_step"] == 10 * GLOBAL_BATCH
-    assert checkpoint["optimizer"]["steps"] < 10 * 8 * 2  # some updates did stop early
+    assert checkpoint["optimizer"]["state"][0]["step"] < 10 * 8 * 2  # some updates did stop early
 
 
 def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_leaves_no_process(tmp_path, start_long_run):
@@ -217,10 +217,10 @@ def test_resume_under_torchrun_continues_from_the_checkpoint(tmp_path):
     assert f"step {new_total:,}/{new_total:,}" in result.stdout
     resumed = checkpoint_of(tmp_path)
     assert resumed["global_step"] == new_total and resumed["updates"] == 5
-    assert resumed["optimizer"]["steps"] == 5 * 8 * 2  # Adam went on counting
+    assert resumed["optimizer"]["state"][0]["step"] == 5 * 8 * 2  # Adam went on counting
     # The total changed: the rate anneals from the one of the first run's last update (lr / 2, at
     # step GLOBAL_BATCH of 2) to 0 over the steps left; the last update started at new_total - GLOBAL_BATCH.
-    assert resumed["optimizer"]["lr"] == pytest.approx(pc.Config().learning_rate / 2 * (1 - 2 / 3))
+    assert resumed["optimizer"]["param_groups"][0]["lr"] == pytest.approx(pc.Config().learning_rate / 2 * (1 - 2 / 3))
     assert summary_of(tmp_path)["steps"] == new_total
 
 
