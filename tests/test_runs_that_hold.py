@@ -1,6 +1,8 @@
 """Runs that hold (issue 41), through the command line where the user meets each case: a flag typed
 on --resume wins whatever its value, output that cannot be written never stops a run or loses it,
 and a flag's prefix is not taken for the flag."""
+import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -17,8 +19,9 @@ def small_run(script, run_dir, total, *args):
                       "--run-dir", run_dir, *args, timeout=300)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_flag_typed_on_resume_wins_even_when_it_equals_the_default(script, tmp_path):
+def test_a_flag_typed_on_resume_wins_even_when_it_equals_the_default(tmp_path):
+    # Through the command line once (typed_fields and the command line are the same everywhere)...
+    script = "ppo_cartpole"
     first = small_run(script, tmp_path / "run", ROLLOUT[script], "--no-anneal-lr")
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = run_script(script, "--resume", tmp_path / "run", "--total-timesteps",
@@ -27,6 +30,21 @@ def test_a_flag_typed_on_resume_wins_even_when_it_equals_the_default(script, tmp
     config = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["config"]
     assert config["anneal_lr"] is True  # typed, though it is the default: it wins
     assert config["total_timesteps"] == 2 * ROLLOUT[script]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_resumes_with_the_flags_typed_and_the_checkpoint_s_others(script, tmp_path):
+    # ...and each script's resumed_config: a typed flag wins whatever its value; in code (a Config
+    # without the command line's `typed`), a value equal to the default keeps the checkpoint's.
+    module = importlib.import_module(script)
+    saved = dataclasses.asdict(module.Config(anneal_lr=False, seed=7))
+    checkpoint = {"config": saved, "path": str(tmp_path / "checkpoint.pt")}
+    argv = ["--anneal-lr"]
+    typed = module.parse_config(argv)
+    typed.typed = module.typed_fields(argv)
+    assert module.resumed_config(checkpoint, typed).anneal_lr is True
+    resumed = module.resumed_config(checkpoint, module.Config())
+    assert resumed.anneal_lr is False and resumed.seed == 7
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
