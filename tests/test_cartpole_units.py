@@ -9,36 +9,6 @@ import torch
 import ppo_cartpole as pc
 
 
-def gae(rewards, values, dones, last_value, gamma=0.9, lam=0.8):
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.float32)
-    return pc.compute_gae(as_tensor(rewards), as_tensor(values), as_tensor(dones), as_tensor(last_value), gamma, lam)
-
-
-def test_gae_without_episode_end_matches_hand_computation():
-    # deltas: 1 + .9*.4 - .5 = .86, 1 + .9*.3 - .4 = .87, 1 + .9*.2 - .3 = .88; gamma*lambda = .72
-    advantages = gae([[1], [1], [1]], [[.5], [.4], [.3]], [[0], [0], [0]], [.2])
-    expected = [[0.86 + 0.72 * (0.87 + 0.72 * 0.88)], [0.87 + 0.72 * 0.88], [0.88]]
-    assert torch.allclose(advantages, torch.tensor(expected), atol=1e-6)
-
-
-def test_gae_termination_cuts_the_sum_and_ignores_the_next_value():
-    advantages = gae([[1], [1], [1]], [[.5], [.4], [.3]], [[0], [1], [0]], [.2])
-    # step 1 ends the episode: its advantage is 1 - 0.4, and step 0 sees only that
-    assert torch.allclose(advantages, torch.tensor([[0.86 + 0.72 * 0.6], [0.6], [0.88]]), atol=1e-6)
-
-
-def test_gae_truncation_uses_the_bootstrapped_reward():
-    # truncated at step 1 with V(final obs) = 0.7: the trainer put 1 + 0.9 * 0.7 = 1.63 in rewards[1]
-    advantages = gae([[1], [1.63], [1]], [[.5], [.4], [.3]], [[0], [1], [0]], [.2])
-    assert torch.allclose(advantages, torch.tensor([[0.86 + 0.72 * 1.23], [1.23], [0.88]]), atol=1e-6)
-
-
-def test_gae_episode_end_at_the_last_step_ignores_last_value():
-    advantages = gae([[1, 1], [1, 1], [1, 1]], [[.5, .5], [.4, .4], [.3, .3]], [[0, 0], [0, 0], [0, 1]], [.2, 100.0])
-    assert torch.allclose(advantages[:, 1], torch.tensor([0.86 + 0.72 * (0.87 + 0.72 * 0.7), 0.87 + 0.72 * 0.7, 0.7]))
-    assert torch.allclose(advantages[:, 0], torch.tensor([0.86 + 0.72 * (0.87 + 0.72 * 0.88), 0.87 + 0.72 * 0.88, 0.88]))
-
-
 def ppo_loss(ratios, raw_advantages=(1.0, -1.0), **changes):
     config = pc.Config(**changes)
     new_log_prob = torch.log(torch.tensor(ratios))
