@@ -1534,11 +1534,16 @@ def check_settings(config: Config):
 def inspect_env(env_id: str) -> int:
     """Check that the env exists and is an Atari game. Returns its number of actions."""
     if env_id not in gym.registry:
-        close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
-        hint = (f"; did you mean {' or '.join(close)}?" if close
+        if "." in env_id and ":" not in env_id:  # PettingZoo's module.name: mpe2.simple_spread_v3
+            raise UsageError(f"{env_id} is a multi-agent PettingZoo env: use ppo_multiagent.py")
+        close = " or ".join(difflib.get_close_matches(env_id, list(gym.registry), cutoff=0.6))
+        hint = (f"; did you mean {close}?" if close
                 else "; Atari ids look like ALE/Pong-v5 or PongNoFrameskip-v4")
         raise UsageError(f"unknown env {env_id!r}{hint}")
     atari = str(gym.spec(env_id).entry_point).startswith("ale_py")
+    if atari and not (env_id.endswith("NoFrameskip-v4") or env_id.startswith("ALE/")):  # (all v5)
+        game = env_id.split("-")[0].replace("Deterministic", "").replace("NoFrameskip", "")
+        raise UsageError(f"{env_id} skips frames: use {game}NoFrameskip-v4 or ALE/{game}-v5")
     try:
         env = Game(env_id, seed=0).env if atari else gym.make(env_id)
     except Exception as error:

@@ -854,6 +854,7 @@ import copy
 import datetime
 import gc
 import hashlib
+import importlib
 import json
 import logging
 import multiprocessing.connection
@@ -1754,16 +1755,22 @@ def inspect_env(env_id: str):
             import popgym  # noqa: F401 (registers its games with gymnasium)
         except ImportError:
             raise UsageError(f"{env_id} is a POPGym game: pip install popgym") from None
-    if env_id not in gym.registry:
+    module, _, registered = env_id.rpartition(":")  # "module:Env-v0": the module registers it
+    try:
+        importlib.import_module(module or "gymnasium")  # (gymnasium: imported already)
+    except ImportError as error:
+        raise UsageError(f"cannot import {module} for --env {env_id}: {error}") from None
+    if registered not in gym.registry:
         with contextlib.suppress(ImportError):  # ale-py registers the Atari ids: say where they go
             import ale_py
 
             gym.register_envs(ale_py)
-        if env_id in gym.registry:
+        if registered in gym.registry:
             raise UsageError(f"{env_id} is an Atari game: use ppo_atari.py")
-        close = difflib.get_close_matches(env_id, list(gym.registry), n=3, cutoff=0.6)
-        hint = (f"; did you mean {' or '.join(close)}?" if close
-                else "; see gymnasium.pprint_registry()")
+        if "." in env_id and not module:  # PettingZoo's module.name, e.g. mpe2.simple_spread_v3
+            raise UsageError(f"{env_id} is a multi-agent PettingZoo env: use ppo_multiagent.py")
+        close = " or ".join(difflib.get_close_matches(registered, list(gym.registry), cutoff=0.6))
+        hint = f"; did you mean {close}?" if close else "; see gymnasium.pprint_registry()"
         raise UsageError(f"unknown env {env_id!r}{hint}")
     try:
         env = gym.make(env_id)

@@ -1679,6 +1679,8 @@ def inspect_env(config: Config) -> EnvSpaces:
             gym.register_envs(ale_py)
         if registered in gym.registry:
             raise UsageError(f"{env_id} is an Atari game: use ppo_atari.py")
+        if "." in env_id and not module:  # PettingZoo's module.name, e.g. mpe2.simple_spread_v3
+            raise UsageError(f"{env_id} is a multi-agent PettingZoo env: use ppo_multiagent.py")
         if registered.startswith(("MiniGrid-", "BabyAI-")) and not module:
             raise UsageError(f"{env_id} comes with minigrid: pip install minigrid, then give "
                              f"--env minigrid:{env_id} (the module registers it)")
