@@ -355,13 +355,54 @@ class Rollout:
                          rows(advantages), rows(returns), rows(self.values))
 
 
+class Adam:
+    """Adam (Kingma & Ba, 2015): torch.optim.Adam's step on the CPU, bit for bit (tests/ check it),
+    written out because creating a torch.optim optimizer costs a second (it imports torch's
+    compiler). For each weight w with gradient g, at step t = 1, 2, ...:
+
+        m <- beta1 m + (1 - beta1) g        a running mean of the gradient,
+        v <- beta2 v + (1 - beta2) g^2      and of its square;
+        w <- w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    m and v start at 0: the step divides out their bias, the factors 1 - beta^t. Each weight moves
+    by about lr along its mean gradient, less where the gradient keeps changing sign (v large
+    against m^2), whatever its scale. The state_dict is laid out as torch.optim.Adam's."""
+
+    def __init__(self, parameters, lr: float, eps: float, betas=(0.9, 0.999)):
+        self.parameters = list(parameters)
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps}]  # lr: annealed by Main
+        self.state = {index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
+                              "exp_avg_sq": torch.zeros_like(w)}  # t, m and v
+                      for index, w in enumerate(self.parameters)}
+
+    def zero_grad(self):
+        for w in self.parameters:
+            w.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        group = self.param_groups[0]
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        for w, state in zip(self.parameters, self.state.values()):
+            g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            t = state["step"].item()
+            m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denominator = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+            w.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+
+    def state_dict(self) -> dict:
+        return {"state": self.state, "param_groups": self.param_groups}
+
+
 class Trainer:
     """One PPO step on one minibatch: clipped surrogate, value loss, entropy bonus, clipped norm."""
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
         # Adam with eps 1e-5, not 1e-8 (37 details, #3).
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -852,7 +893,7 @@ def ended_episodes(episodes: list) -> list:
 # one's source as shipped. Where one differs (a reader's edit) or cannot be read (a notebook's
 # cell), the NumPy path steps aside: the lesson's torch code runs, as it reads. After a change on
 # purpose, make the NumPy path equal again (tests/test_continuous.py), then renew LESSON_DIGEST.
-NUMPY_STANDS_IN_FOR = ("RunningMeanStd", "Model", "compute_gae", "Minibatch", "Rollout",
+NUMPY_STANDS_IN_FOR = ("RunningMeanStd", "Model", "compute_gae", "Minibatch", "Rollout", "Adam",
                        "Trainer", "Main.collect_rollout", "Main.estimate_advantages")
 LESSON_DIGEST = {
     "RunningMeanStd": "00cb0e1c213ad1e9f65cbeace32c42ddefd6e9b6a9d7d7738b6f3743f8c65ea9",
@@ -860,7 +901,8 @@ LESSON_DIGEST = {
     "compute_gae": "0cb59dcfab7777082d002fe6cb760f1a231692919658a3624b92268f00ce658e",
     "Minibatch": "2fc4fe679e94f546176bbfcba44007c3552a04ee17a599c7a03cf7b9d9f7e7c1",
     "Rollout": "9a82272357fc03681bfc3176f384f870130eed36a7508062eee8abcff747e4c4",
-    "Trainer": "cefd0009e27332d515ae2481bdde9aec3e41f0aa704bcdfa48a4bb24e6dc8985",
+    "Adam": "c2d00a45db377f145a6fd99be6bc4ec12523fe30859232a05c438d241d580c07",
+    "Trainer": "f25c298513f65c6832d5dae8a44dd5607a9b56770dc2393ac2c012de7535c6eb",
     "Main.collect_rollout": "ceb4cbf89e515cd2d465ee7e9c1577b11c5318496912ca0ff7f431e05c58a3dd",
     "Main.estimate_advantages": "bd68302ee5f265729cae81a4b9e20da6576f948f9822d6b3da2dd39188b28245",
 }
@@ -1023,9 +1065,9 @@ class NumpyPlayer:
 class NumpyLearner:
     """Trainer.gradient_step in NumPy (see use_numpy_on_cpu): Trainer.ppo_loss, its gradient by
     the chain rule written out from the loss back to each weight, the global norm clipped, Adam's
-    step as torch.optim.Adam's takes it on the CPU. The model's weights and Adam's moments (its
-    state, made here as its first step would) move into one flat array each (the tensors stay,
-    their memory a view into it), so that clipping and Adam are a few operations on all at once."""
+    Adam.step. The model's weights and Adam's moments move into one flat array each (the tensors
+    stay, their memory a view into it), so that clipping and Adam are a few operations on all at
+    once."""
 
     def __init__(self, main: Main):
         self.config, optimizer = main.config, main.trainer.optimizer
@@ -1038,12 +1080,11 @@ class NumpyLearner:
         for index, (name, param) in enumerate(named):
             part, shape = slice(offset, offset + param.numel()), param.shape
             param.data = torch.from_numpy(self.params[part]).view(shape).copy_(param.data)
-            state = optimizer.state[param]
+            state = optimizer.state[index]
             state["step"] = torch.from_numpy(self.steps[index:index + 1]).view(()).copy_(
-                state.get("step", torch.tensor(0.0)))
+                state["step"])
             for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                state[key] = torch.from_numpy(flat[part]).view(shape).copy_(
-                    state.get(key, torch.zeros(shape)))
+                state[key] = torch.from_numpy(flat[part]).view(shape).copy_(state[key])
             self.grads[name] = self.grad[part].reshape(shape)
             offset += param.numel()
         self.actor, self.critic = numpy_layers(main.model.actor), numpy_layers(main.model.critic)
@@ -1663,16 +1704,20 @@ def load_weights(model: Model, weights: dict, config: Config):
                          f"{str(error).splitlines()[-1].strip()}") from None
 
 
-def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
-    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
-    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+def load_optimizer(optimizer: Adam, saved: dict):
+    """Adam's state from a checkpoint: laid out as torch.optim.Adam's (the lesson's Adam wrote it,
+    or torch.optim.Adam itself), or as this script's first hand-written Adam's ("steps", "lr",
+    "exp_avg", "exp_avg_sq")."""
     if "exp_avg" in saved:
-        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
-        state["param_groups"][0]["lr"] = float(saved["lr"])
-        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
-                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
-        saved = state
-    optimizer.load_state_dict(saved)
+        steps = torch.tensor(float(saved["steps"]))
+        moments = zip(saved["exp_avg"], saved["exp_avg_sq"])
+        saved = {"param_groups": [{"lr": saved["lr"]}],
+                 "state": {index: {"step": steps, "exp_avg": m, "exp_avg_sq": v}
+                           for index, (m, v) in enumerate(moments)}}
+    optimizer.param_groups[0]["lr"] = float(saved["param_groups"][0]["lr"])
+    for index, state in saved["state"].items():
+        for key, value in state.items():
+            optimizer.state[index][key].copy_(value)
 
 
 def restore_learner(main: Main, state: dict):

@@ -574,13 +574,54 @@ def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tenso
     return model.heads(features[-1])[1]
 
 
+class Adam:
+    """Adam (Kingma & Ba, 2015): torch.optim.Adam's step on the CPU, bit for bit (tests/ check it),
+    written out because creating a torch.optim optimizer costs a second (it imports torch's
+    compiler). For each weight w with gradient g, at step t = 1, 2, ...:
+
+        m <- beta1 m + (1 - beta1) g        a running mean of the gradient,
+        v <- beta2 v + (1 - beta2) g^2      and of its square;
+        w <- w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    m and v start at 0: the step divides out their bias, the factors 1 - beta^t. Each weight moves
+    by about lr along its mean gradient, less where the gradient keeps changing sign (v large
+    against m^2), whatever its scale. The state_dict is laid out as torch.optim.Adam's."""
+
+    def __init__(self, parameters, lr: float, eps: float, betas=(0.9, 0.999)):
+        self.parameters = list(parameters)
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps}]  # lr: annealed by Main
+        self.state = {index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
+                              "exp_avg_sq": torch.zeros_like(w)}  # t, m and v
+                      for index, w in enumerate(self.parameters)}
+
+    def zero_grad(self):
+        for w in self.parameters:
+            w.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        group = self.param_groups[0]
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        for w, state in zip(self.parameters, self.state.values()):
+            g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            t = state["step"].item()
+            m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denominator = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+            w.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+
+    def state_dict(self) -> dict:
+        return {"state": self.state, "param_groups": self.param_groups}
+
+
 class Trainer:
     """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, gradient clip."""
 
     def __init__(self, model: Model, config: Config):
         self.model, self.config = model, config
         # Adam with eps 1e-5, not 1e-8 (37 details, #3).
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -1528,16 +1569,20 @@ def load_weights(model: Model, weights: dict, config: Config):
                          f"{str(error).splitlines()[-1].strip()}") from None
 
 
-def load_optimizer(optimizer: torch.optim.Adam, saved: dict):
-    """Adam's state from a checkpoint; one written by this script's earlier hand-written Adam
-    (its "steps", "lr", "exp_avg", "exp_avg_sq") is first put in torch.optim.Adam's form."""
+def load_optimizer(optimizer: Adam, saved: dict):
+    """Adam's state from a checkpoint: laid out as torch.optim.Adam's (the lesson's Adam wrote it,
+    or torch.optim.Adam itself), or as this script's first hand-written Adam's ("steps", "lr",
+    "exp_avg", "exp_avg_sq")."""
     if "exp_avg" in saved:
-        steps, state = torch.tensor(float(saved["steps"])), optimizer.state_dict()
-        state["param_groups"][0]["lr"] = float(saved["lr"])
-        state["state"] = {i: {"step": steps.clone(), "exp_avg": m, "exp_avg_sq": v}
-                          for i, (m, v) in enumerate(zip(saved["exp_avg"], saved["exp_avg_sq"]))}
-        saved = state
-    optimizer.load_state_dict(saved)
+        steps = torch.tensor(float(saved["steps"]))
+        moments = zip(saved["exp_avg"], saved["exp_avg_sq"])
+        saved = {"param_groups": [{"lr": saved["lr"]}],
+                 "state": {index: {"step": steps, "exp_avg": m, "exp_avg_sq": v}
+                           for index, (m, v) in enumerate(moments)}}
+    optimizer.param_groups[0]["lr"] = float(saved["param_groups"][0]["lr"])
+    for index, state in saved["state"].items():
+        for key, value in state.items():
+            optimizer.state[index][key].copy_(value)
 
 
 def restore_learner(main: Main, state: dict):

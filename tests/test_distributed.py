@@ -234,7 +234,7 @@ def test_two_atari_ranks_train_one_network_and_count_the_steps_of_both(tmp_path)
     assert summary["world_size"] == 2 and summary["steps"] == 3 * ATARI_BATCH and not summary["interrupted"]
     checkpoint = checkpoint_of(tmp_path)
     assert checkpoint["global_step"] == 3 * ATARI_BATCH and checkpoint["updates"] == 3
-    # updates x epochs x minibatches gradient steps, as alone (fused Adam counts them per parameter)
+    # updates x epochs x minibatches gradient steps, as alone (Adam counts them per parameter)
     assert all(state["step"].item() == 3 * 4 * 2 for state in checkpoint["optimizer"]["state"].values())
     assert result.stdout.count("finished at step") == 1  # rank 0 alone prints and logs
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1

@@ -13,18 +13,19 @@ SCRIPTS = ["ppo_atari.py", "ppo_cartpole.py", "ppo_continuous.py", "ppo_memory.p
 BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # The lesson's measures (GUIDE.md, section 1, and issue 35): the lesson runs alone, so it now holds
 # its plain run (Run, StepResult, Worker.step, the env's sizes: 60-90 lines) on top of what it held;
-# ppo_multiagent.py's return statistics and ppo_spaces.py's observation normalisation moved into it.
+# ppo_multiagent.py's return statistics and ppo_spaces.py's observation normalisation moved into it;
+# so did Adam, written out (40 lines: creating torch.optim.Adam imports torch's compiler, a second).
 # GUIDE's targets (500; memory 650; multiagent and spaces 600) are not met: benchmarks/README.md,
 # "The lesson's measures", gives each lesson's lines by kind. These limits keep a lesson, and a
 # file, from growing back.
-LESSON_LINES = {"ppo_atari.py": 569, "ppo_cartpole.py": 552, "ppo_continuous.py": 587,
-                "ppo_memory.py": 845, "ppo_multiagent.py": 803, "ppo_spaces.py": 767}
-FILE_LINES = {"ppo_atari.py": 1639, "ppo_cartpole.py": 1594, "ppo_continuous.py": 2002,
-              "ppo_memory.py": 1882, "ppo_multiagent.py": 1950, "ppo_spaces.py": 1904}
+LESSON_LINES = {"ppo_atari.py": 609, "ppo_cartpole.py": 593, "ppo_continuous.py": 628,
+                "ppo_memory.py": 886, "ppo_multiagent.py": 844, "ppo_spaces.py": 808}
+FILE_LINES = {"ppo_atari.py": 1683, "ppo_cartpole.py": 1639, "ppo_continuous.py": 2047,
+              "ppo_memory.py": 1927, "ppo_multiagent.py": 1995, "ppo_spaces.py": 1949}
 LONGEST_DEFINITION = 150
-NAMES_FROM_BELOW = 3
+NAMES_FROM_BELOW = 2
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",
-          "Rollout", "Trainer", "Main"]
+          "Rollout", "Adam", "Trainer", "Main"]
 MAIN_METHODS = ["__init__", "run", "train", "anneal_learning_rate", "collect_rollout",
                 "estimate_advantages", "learn"]
 MACHINERY = ["GuardedWorker", "InProcessWorker", "WorkerPool", "compile_learner",
@@ -73,7 +74,7 @@ def test_the_lesson_measures(script):
               and node.lineno > banner for target in node.targets if isinstance(target, ast.Name)}
     used = {name.id for node in tree.body if node.lineno < banner for name in ast.walk(node)
             if isinstance(name, ast.Name) and name.id in below}
-    assert used <= {"RunGuard", "evaluate_checkpoint", "Adam"} and len(used) <= NAMES_FROM_BELOW
+    assert used <= {"RunGuard", "evaluate_checkpoint"} and len(used) <= NAMES_FROM_BELOW
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -124,10 +125,10 @@ def test_the_machinery_has_the_same_parts_in_the_same_order(script):
 
 
 # The machinery that is the same in every script, byte for byte: a fix made in one is copied to all.
-SAME_EVERYWHERE = ["not_the_cuda_home_warning", "Ranks", "RankError", "UsageError", "WorkerError",
-                   "Interrupted", "NonFiniteLoss", "FAILURES", "load_optimizer", "continued_schedule",
-                   "save_checkpoint", "find_checkpoint", "load_checkpoint", "RANGES",
-                   "pick_device", "RUN_FILES", "typed_fields", "tell", "command_line"]
+SAME_EVERYWHERE = ["Adam", "not_the_cuda_home_warning", "Ranks", "RankError", "UsageError",
+                   "WorkerError", "Interrupted", "NonFiniteLoss", "FAILURES", "load_optimizer",
+                   "continued_schedule", "save_checkpoint", "find_checkpoint", "load_checkpoint",
+                   "RANGES", "pick_device", "RUN_FILES", "typed_fields", "tell", "command_line"]
 
 
 def definition_texts(script):
