@@ -93,7 +93,8 @@ def parse_config(argv=None) -> Config:
     parser.error = refuse
     for flag, f in flags.items():
         kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
-        parser.add_argument(flag, default=f.default, help=f.metadata["help"],
+        valid = f" (valid: {f.metadata['check']})" if f.metadata["check"] else ""
+        parser.add_argument(flag, default=f.default, help=f.metadata["help"] + valid,
                             **({"action": argparse.BooleanOptionalAction} if kind is bool else
                                {"type": whole_number if kind is int else kind}))
     return Config(**vars(parser.parse_args(argv)))
@@ -1253,9 +1254,12 @@ class RunLog:
                                               if isinstance(value, bool) else f"--{flag} {value}"
                                               for flag, value in changed))
         if self.resumed_at_step is not None:
-            rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
+            start, rate = self.main.anneal_from  # the rate the next update takes, as Main anneals
+            if config.anneal_lr:
+                rate *= max(0.0, 1.0 - (step - start) / (config.total_timesteps - start))
+            until = f", annealed to 0 by step {self.last_step:,}" if config.anneal_lr else ""
             self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
-                     f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+                     f"{rate:.6g}{until})")
         self.say("learner: the lesson's torch code (Model, Trainer, compute_gae)"
                  + (", torch.compile" if config.compile else ""))
         where = (f"{config.num_envs // config.num_workers} per Worker in {config.num_workers} "

@@ -125,6 +125,8 @@ def parse_config(argv=None) -> Config:
     for flag, f in flags.items():
         kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
         help, default = f.metadata["help"], f.default
+        if f.metadata["check"]:
+            help += f" (valid: {f.metadata['check']})"
         if f.name in KIND_FIELDS:  # each kind's value (Config keeps None; --help adds no default)
             help += " (default: " + ", ".join(
                 f"{memory} {settings[f.name]}" for memory, settings in KIND_DEFAULTS.items()) + ")"
@@ -1428,9 +1430,12 @@ class RunLog:
                                               if isinstance(value, bool) else f"--{flag} {value}"
                                               for flag, value in changed))
         if self.resumed_at_step is not None:
-            rate, until = self.main.anneal_from[1], f"annealed to 0 by step {self.last_step:,}"
+            start, rate = self.main.anneal_from  # the rate the next update takes, as Main anneals
+            if config.anneal_lr:
+                rate *= max(0.0, 1.0 - (step - start) / (config.total_timesteps - start))
+            until = f", annealed to 0 by step {self.last_step:,}" if config.anneal_lr else ""
             self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
-                     f"{rate:.6g}{', ' + until if config.anneal_lr else ''})")
+                     f"{rate:.6g}{until})")
         if config.compile:
             self.say("compiling the model and the update (torch.compile, once per run; this can "
                      "take a minute)...")

@@ -3,6 +3,7 @@ errors and --help before torch is imported), the run folder, the start-up block 
 resume and eval from a run folder, and no stray warnings. One short run per script is shared by the
 checks of the run folder, the start-up block and resume."""
 import ast
+import dataclasses
 import importlib
 import io
 import json
@@ -223,6 +224,16 @@ def test_help_shows_each_default_once(script, help_runs):
     entries = help_entries(help_runs(script).stdout)
     for flag in sorted(config_flags(script) & set(entries)):
         assert entries[flag][1].count("(default:") == 1, entries[flag][1]
+
+
+def test_help_shows_each_number_s_valid_range(script, help_runs):
+    entries = help_entries(help_runs(script).stdout)
+    module = importlib.import_module(script)
+    for field in dataclasses.fields(module.Config):
+        flag, rule = "--" + field.name.replace("_", "-"), field.metadata["check"]
+        if rule is not None:
+            assert f"(valid: {rule})" in entries[flag][1], entries[flag][1]
+    assert "(valid: > 0)" in entries["--learning-rate"][1]
 
 
 def test_help_does_not_import_torch(script, help_runs):

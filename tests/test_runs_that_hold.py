@@ -68,3 +68,23 @@ def test_a_closed_stdout_neither_stops_nor_loses_the_run(script, tmp_path):
 def test_a_prefix_of_a_flag_is_refused_and_the_flag_suggested(script):
     line = error_line(run_script(script, "--learning-rat", "0.1", timeout=120))
     assert "--learning-rat" in line and "did you mean --learning-rate?" in line, line
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_resume_names_the_learning_rate_it_goes_on_at(script, tmp_path):
+    # A run stopped at a quarter of its total: forged from a finished one-rollout run by giving
+    # its checkpoint four rollouts as the total, which is what a stop there saves.
+    first = small_run(script, tmp_path / "run", ROLLOUT[script])
+    assert first.returncode == 0, first.stderr[-3000:]
+    path = tmp_path / "run" / "checkpoint.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["config"]["total_timesteps"] = 4 * ROLLOUT[script]
+    torch.save(checkpoint, path)
+    resumed = run_script(script, "--resume", tmp_path / "run", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start_step, start_rate = checkpoint["anneal_from"]
+    assert start_step == 0
+    line = next(line for line in resumed.stdout.splitlines() if line.startswith("resuming from"))
+    rate = start_rate * (1 - 1 / 4)  # the next update's, not the start's
+    assert f"at step {ROLLOUT[script]:,} (learning rate {rate:.6g}, annealed to 0 by step " \
+           f"{4 * ROLLOUT[script]:,})" in line, line
