@@ -549,11 +549,11 @@ class Main:
         return guard.summary
 
     def anneal_learning_rate(self):  # linearly, to 0 at the end (37 details, #4)
-        if self.config.anneal_lr:
-            start_step, start_rate = self.anneal_from
-            progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
-            for group in self.trainer.optimizer.param_groups:
-                group["lr"] = start_rate * max(0.0, 1.0 - progress)
+        start_step, start_rate = self.anneal_from
+        progress = (self.global_step - start_step) / (self.config.total_timesteps - start_step)
+        rate = start_rate * max(0.0, 1.0 - progress) if self.config.anneal_lr else start_rate
+        for group in self.trainer.optimizer.param_groups:
+            group["lr"] = rate
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:  # -> the next observation
@@ -1075,15 +1075,23 @@ class RunGuard(Run):
 
     def __enter__(self) -> "RunGuard":
         if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
-            for signum in (signal.SIGINT, signal.SIGTERM):  # only noted: the loop stops cleanly
-                self.previous_handlers[signum] = signal.signal(
-                    signum, lambda number, frame: setattr(self, "stop_signal", number))
+            for signum in (signal.SIGINT, signal.SIGTERM):  # (see note_signal)
+                self.previous_handlers[signum] = signal.signal(signum, self.note_signal)
         try:
             self.setup()
         except BaseException:
             self.give_back()
             raise
         return self
+
+    def note_signal(self, number: int, frame):
+        """Ctrl-C or SIGTERM: the run stops after this update and saves its checkpoint. A second
+        stops it at once (a long set-up or update need not be waited for): the last is kept."""
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.stop_signal = number
+        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
+            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
 
     def setup(self):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
@@ -1254,12 +1262,10 @@ class RunLog:
                                               if isinstance(value, bool) else f"--{flag} {value}"
                                               for flag, value in changed))
         if self.resumed_at_step is not None:
-            start, rate = self.main.anneal_from  # the rate the next update takes, as Main anneals
-            if config.anneal_lr:
-                rate *= max(0.0, 1.0 - (step - start) / (config.total_timesteps - start))
+            self.main.anneal_learning_rate()  # as the next update will: the rate it takes
             until = f", annealed to 0 by step {self.last_step:,}" if config.anneal_lr else ""
             self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
-                     f"{rate:.6g}{until})")
+                     f"{self.main.trainer.optimizer.param_groups[0]['lr']:.6g}{until})")
         self.say("learner: the lesson's torch code (Model, Trainer, compute_gae)"
                  + (", torch.compile" if config.compile else ""))
         where = (f"{config.num_envs // config.num_workers} per Worker in {config.num_workers} "
@@ -1546,6 +1552,21 @@ RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or
 SPACES_OBSERVATIONS = ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
 
 
+def refuse_what_will_not_fit(needed: int, what: str):
+    """Refuse in one line a setting whose `needed` bytes (`what`: what holds them) exceed the memory
+    free now (MemAvailable, Linux; elsewhere not checked), before it is allocated: better than
+    minutes of swapping, or the kernel killing the run without a word."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            free = next(int(line.split()[1]) * 1024 for line in meminfo
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    if needed > free:
+        raise UsageError(f"{what} would take about {needed / 2 ** 30:,.1f} GiB, more than the "
+                         f"{free / 2 ** 30:,.1f} GiB free: lower --num-envs or --num-steps")
+
+
 def check_settings(config: Config):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
@@ -1675,6 +1696,10 @@ def command_line(argv=None) -> int:
         print(f"error: {error}; the checkpoint of the last finished update is kept",
               file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or one before the run began
+        print("error: stopped at once; the checkpoint of the last finished update is kept",
+              file=sys.stderr)
+        return 128 + (getattr(main.guard, "stop_signal", None) or signal.SIGINT)
     stop_signal = main.guard.stop_signal if main.guard is not None else None
     return 0 if stop_signal is None else 128 + stop_signal
 

@@ -18,10 +18,10 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # GUIDE's targets (500; memory 650; multiagent and spaces 600) are not met: benchmarks/README.md,
 # "The lesson's measures", gives each lesson's lines by kind. These limits keep a lesson, and a
 # file, from growing back.
-LESSON_LINES = {"ppo_atari.py": 609, "ppo_cartpole.py": 593, "ppo_continuous.py": 628,
-                "ppo_memory.py": 886, "ppo_multiagent.py": 844, "ppo_spaces.py": 808}
-FILE_LINES = {"ppo_atari.py": 1683, "ppo_cartpole.py": 1639, "ppo_continuous.py": 2047,
-              "ppo_memory.py": 1927, "ppo_multiagent.py": 1995, "ppo_spaces.py": 1949}
+LESSON_LINES = {"ppo_atari.py": 610, "ppo_cartpole.py": 594, "ppo_continuous.py": 629,
+                "ppo_memory.py": 888, "ppo_multiagent.py": 845, "ppo_spaces.py": 809}
+FILE_LINES = {"ppo_atari.py": 1712, "ppo_cartpole.py": 1671, "ppo_continuous.py": 2076,
+              "ppo_memory.py": 1957, "ppo_multiagent.py": 2024, "ppo_spaces.py": 1978}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 2
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",
@@ -128,7 +128,8 @@ def test_the_machinery_has_the_same_parts_in_the_same_order(script):
 SAME_EVERYWHERE = ["Adam", "not_the_cuda_home_warning", "Ranks", "RankError", "UsageError",
                    "WorkerError", "Interrupted", "NonFiniteLoss", "FAILURES", "load_optimizer",
                    "continued_schedule", "save_checkpoint", "find_checkpoint", "load_checkpoint",
-                   "RANGES", "pick_device", "RUN_FILES", "typed_fields", "tell", "command_line"]
+                   "RANGES", "pick_device", "RUN_FILES", "typed_fields", "tell", "command_line",
+                   "refuse_what_will_not_fit"]
 
 
 def definition_texts(script):

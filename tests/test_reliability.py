@@ -260,6 +260,28 @@ def test_ctrl_c_saves_and_resume_continues_the_schedule(script, tmp_path):
     assert learning_rate_of(resumed) == pytest.approx(expected_lr)
 
 
+def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
+    # 3,000 epochs: each update takes seconds, which the first Ctrl-C would wait for.
+    segments_before = shared_memory_segments()
+    process = start_script("ppo_cartpole", tmp_path / "run", "--update-epochs", 3000)
+    workers = children(process.pid)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGINT)
+    stopped = time.monotonic()
+    _, stderr = process.communicate(timeout=30)
+    assert time.monotonic() - stopped < 2, stderr
+    assert process.returncode == 128 + signal.SIGINT
+    assert "stopping after this update; a second Ctrl-C stops at once" in stderr
+    assert stderr.strip().splitlines()[-1] == \
+        "error: stopped at once; the checkpoint of the last finished update is kept"
+    assert wait_until_gone(workers)
+    assert shared_memory_segments() <= segments_before
+    # the checkpoint of the first update, whole: the second was cut short
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global_step"] == \
+        BATCH["ppo_cartpole"]
+
+
 def test_ctrl_c_with_the_ale_vector_backend_saves_and_leaves_no_thread_running(tmp_path):
     process = start_script("ppo_atari", tmp_path / "run", "--env-backend", "ale-vector")
     os.killpg(process.pid, signal.SIGINT)

@@ -6,6 +6,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -88,3 +89,26 @@ def test_a_resume_names_the_learning_rate_it_goes_on_at(script, tmp_path):
     rate = start_rate * (1 - 1 / 4)  # the next update's, not the start's
     assert f"at step {ROLLOUT[script]:,} (learning rate {rate:.6g}, annealed to 0 by step " \
            f"{4 * ROLLOUT[script]:,})" in line, line
+
+
+def test_a_new_learning_rate_on_resume_is_taken_without_annealing(tmp_path):
+    script = "ppo_cartpole"
+    first = small_run(script, tmp_path / "run", ROLLOUT[script], "--no-anneal-lr")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_script(script, "--resume", tmp_path / "run", "--total-timesteps",
+                         2 * ROLLOUT[script], "--learning-rate", 0.001, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(learning rate 0.001)" in resumed.stdout
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert checkpoint["optimizer"]["param_groups"][0]["lr"] == 0.001
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_setting_that_will_not_fit_in_memory_is_refused_before_anything_is_made(script, tmp_path):
+    started = time.monotonic()
+    result = run_script(script, *RUN_FLAGS[script], "--num-envs", 10 ** 6, "--num-steps", 10 ** 5,
+                        "--run-dir", tmp_path / "run", timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert error_line(result).endswith("GiB free: lower --num-envs or --num-steps")
+    assert time.monotonic() - started < 60  # refused at set-up, not after minutes of allocating
+    assert not (tmp_path / "run").exists()
