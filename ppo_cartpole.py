@@ -997,14 +997,13 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 
 class RunGuard(Run):
-    """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
-    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
-    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
-    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
+    """Everything around PPO's loop that is not PPO, as a context manager. On entry: the settings,
+    --resume's checkpoint, the ranks, the run dir, the seeds. In the loop: Ctrl-C, checkpoints,
+    non-finite losses, told by its RunLog. On exit, however the run ended: the games closed, the
+    last checkpoint and the summary saved, and what the process lent given back (a notebook's)."""
 
     def __init__(self, main: Main):
-        self.main, self.stop_signal, self.previous_handlers = main, None, {}
+        self.main, self.stop_signal, self.signals = main, None, None
         self.previous_threads = torch.get_num_threads()
         self.ranks = self.games = self.log = self.summary = None
 
@@ -1016,24 +1015,13 @@ class RunGuard(Run):
         return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
-        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
-            for signum in (signal.SIGINT, signal.SIGTERM):  # (see note_signal)
-                self.previous_handlers[signum] = signal.signal(signum, self.note_signal)
+        self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
         try:
             self.setup()
         except BaseException:
             self.give_back()
             raise
         return self
-
-    def note_signal(self, number: int, frame):
-        """Ctrl-C or SIGTERM: the run stops after this update and saves its checkpoint. A second
-        stops it at once (a long set-up or update need not be waited for): the last is kept."""
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt
-        self.stop_signal = number
-        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
-            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
 
     def setup(self):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
@@ -1149,12 +1137,36 @@ class RunGuard(Run):
 
     def give_back(self):
         """Restore what the run changed in this process: signal handlers, torch's thread count."""
-        for signum, handler in self.previous_handlers.items():
-            signal.signal(signum, handler)
-        self.previous_handlers = {}
+        if self.signals is not None:
+            self.signals.give_back()
         torch.set_num_threads(self.previous_threads)
         if self.ranks is not None:
             self.ranks.close()
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM during a run, caught in the main thread (the only one that can). The
+    first sets the guard's stop_signal: the run stops after this update and saves its checkpoint.
+    A second stops it at once (a long set-up or update need not be waited for), keeping the last
+    checkpoint. give_back puts the handlers that were there before back."""
+
+    def __init__(self, guard: RunGuard):
+        self.guard, self.previous_handlers = guard, {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous_handlers[signum] = signal.signal(signum, self.note)
+
+    def note(self, number: int, frame):
+        if self.guard.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.guard.stop_signal = number
+        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
+            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
+
+    def give_back(self):
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
+        self.previous_handlers = {}
 
 
 def tell(line: str):
@@ -1666,6 +1678,7 @@ def command_line(argv=None) -> int:
 # A pasted notebook cell has no __file__: there, defining everything is all this file does.
 if __name__ == "__main__" and "__file__" in globals():
     status = command_line()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all is saved: a late Ctrl-C waits for the exit
     gc.collect()  # the run's cycles freed now (an engine's C++ threads stop with it), then
     gc.freeze()  # the collection at exit skips all objects left, torch's too: ~0.4 s sooner
     sys.exit(status)
