@@ -610,10 +610,8 @@ class Main:
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on (guarded Workers, ale-py's C++ vector env) and compilation; `Ranks` (torchrun);
-# `RunGuard` and `RunLog` (set-up, Ctrl-C, failures, logging, summary), which extend the lesson's
-# plain `Run`; checkpoints; evaluation and video; the input checks; the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable, one part
+# under each heading; `RunGuard` and `RunLog` extend the lesson's plain `Run`.
 
 import copy
 import datetime
@@ -631,15 +629,12 @@ from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-# ----- Engines: the games, fast and guarded -------------------------------------------------------
+# ----- Engines (the games, fast and guarded) and compilation --------------------------------------
 
 
 class GuardedWorker(Worker):
-    """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
-    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
-    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
-    instead of blocking `recv()` forever."""
+    """A Worker made safe: the child ignores SIGINT, reports errors in one line, and exits once
+    the trainer is gone (it closes its pipe ends' copies); a dead child: a WorkerError, no hang."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
@@ -652,9 +647,8 @@ class GuardedWorker(Worker):
         for end in [self.trainer_end, *self.inherited_trainer_ends]:
             end.close()
         try:
-            super().child_loop(conn, env_id, seed, obs_view)
-        except (EOFError, BrokenPipeError, KeyboardInterrupt):
-            pass  # the trainer is gone or stopping: just exit
+            with contextlib.suppress(EOFError, BrokenPipeError, KeyboardInterrupt):
+                super().child_loop(conn, env_id, seed, obs_view)  # until the trainer goes
         except Exception as error:
             with contextlib.suppress(OSError):
                 conn.send(("error", f"{type(error).__name__}: {error}"))
@@ -671,14 +665,11 @@ class GuardedWorker(Worker):
         if not ready:
             raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         if self.trainer_end in ready:
-            try:
+            with contextlib.suppress(EOFError, OSError):  # (the pipe of a child that died)
                 status, payload = self.trainer_end.recv()
-            except (EOFError, OSError):
-                status, payload = "dead", None
-            if status == "ok":
+                if status == "error":
+                    raise WorkerError(f"{name} failed: {payload}")
                 return payload
-            if status == "error":
-                raise WorkerError(f"{name} failed: {payload}")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
         how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
@@ -716,19 +707,16 @@ class InProcessWorker(Worker):
 
 
 class Engine:
-    """What both engines share: the games write their observations into `obs_array`, uint8
-    [num_envs, 4, 84, 84] on the host, and the trainer reads them on its device."""
+    """Both engines: the games write into `obs_array` (uint8, on the host); the trainer reads it."""
 
     def __init__(self, obs_array: np.ndarray, device: torch.device):
         self.obs_array, self.device = obs_array, device
         self.obs_tensor = torch.from_numpy(obs_array)
-        # On a GPU they pass through a page-locked host buffer, which the GPU reads directly and
-        # asynchronously (overwriting it next step is safe: `actions.cpu()` in between waits).
+        # On a GPU: page-locked, read asynchronously (refilled only after `actions.cpu()` waits).
         self.staging = (torch.empty(obs_array.shape, dtype=torch.uint8, pin_memory=True)
                         if device.type == "cuda" else None)
 
-    def observations(self) -> torch.Tensor:
-        """The games' current observations on the training device (no copy on the CPU)."""
+    def observations(self) -> torch.Tensor:  # on the training device (no copy on the CPU)
         if self.staging is None:
             return self.obs_tensor
         self.staging.copy_(self.obs_tensor)
@@ -736,9 +724,7 @@ class Engine:
 
 
 class WorkerPool(Engine):
-    """`--env-backend game`: num_workers GuardedWorkers of num_envs / num_workers Games (with
-    --num-workers 0, one InProcessWorker), game i seeded with first_seed + i, their observations in
-    shared memory (on a GPU, copied as Engine does); if a worker fails, those before it close."""
+    """`--env-backend game`: GuardedWorkers of Games (with --num-workers 0, an InProcessWorker)."""
 
     def __init__(self, config: Config, first_seed: int, device: torch.device):
         self.workers, self.size = [], config.num_envs // max(config.num_workers, 1)
@@ -754,8 +740,7 @@ class WorkerPool(Engine):
             self.close()  # the workers started so far
             raise
 
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Send every Worker its actions first, then collect: the children play in parallel."""
+    def step(self, actions: np.ndarray) -> StepResult:  # all sent first: the children play at once
         for i, worker in enumerate(self.workers):
             worker.send_step(actions[i * self.size:][:self.size])
         results = [worker.receive() for worker in self.workers]
@@ -770,22 +755,12 @@ class WorkerPool(Engine):
 
 
 class VectorGames(Engine):
-    """All the games at once in ale-py's vector env, `ale_py.vector_env.AtariVectorEnv`
-    (`--env-backend ale-vector`): the Game's preprocessing in C++, stepped by threads in this
-    process, no child processes, no pipes. Configured to keep the Game's contract (the same frames,
-    4-frame repeat with the max of the last two, 84x84 area resize, a stack of zeros and the first
-    picture at a reset, no-op starts, sticky actions as the id asks, ALE's 108,000-frame limit as
-    truncation, raw rewards clipped here so that the real score is reported, a lost life as a
-    termination while the game goes on, same-step autoreset). Done here: after a lost life, games
-    that need FIRE get FIRE in place of the policy's action (FireResetEnv; stored and scored as
-    sampled: every action does the same there, so its advantage favours none); game over is told
-    from a lost life by the emulator's frame counter, which goes back when a new game starts.
-    What differs from the Game (tests/test_atari_game.py holds everything else equal): FIRE is one
-    frame at a reset and one agent step after a lost life (the Game: FIRE then 2, 4 frames each,
-    unseen, after a NOOP step); the frame stack plays on after a lost life; the newest picture of
-    an ended game's `final_obs` comes from other frames (under 5% of pixels differ; read only to
-    bootstrap a time-limit cut); no-op counts come from the vector env's own seeded generator, and
-    points scored during no-ops or a reset's FIRE are not seen (rare)."""
+    """All the games at once in ale-py's C++ vector env (`--env-backend ale-vector`), stepped by
+    threads in this process, set to play the Game's game; FIRE after a lost life (in place of the
+    sampled action, which is stored) and the clipping are done here. What differs from the Game
+    (tests/test_atari_game.py holds the rest equal): FIRE is one frame at a reset and one step after
+    a lost life, with no NOOP; the stack goes on after a lost life; `final_obs`'s newest picture
+    (<5% of pixels differ; it only bootstraps a cut); no-ops drawn by ALE, their points unseen."""
 
     def __init__(self, env_id: str, seeds: list, device: torch.device = torch.device("cpu"),
                  noop_max: int = 30):
@@ -809,43 +784,35 @@ class VectorGames(Engine):
         self.episode_frames = info["episode_frame_number"]
         self.episode_returns = np.zeros(len(seeds))
         self.episode_lengths = np.zeros(len(seeds), dtype=np.int64)
+        self.close = self.env.close
 
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Step every game (serving with FIRE where a life was lost in the step before)."""
+    def step(self, actions: np.ndarray) -> StepResult:  # FIRE where a life was lost just before
         sent = np.where(self.serving, 1, actions) if self.needs_fire else actions
         obs, raw_rewards, terminated, truncated, info = self.env.step(sent)
         self.obs_array[:] = obs
         self.episode_returns += raw_rewards
         self.episode_lengths += 1
-        restarted, life_lost = self.endings(terminated, info["episode_frame_number"],
-                                            self.episode_frames)
+        restarted, self.serving = self.endings(terminated, info["episode_frame_number"],
+                                               self.episode_frames)  # serve after a lost life
         self.episode_frames = info["episode_frame_number"]
-        self.serving = life_lost
-        final_obs, episodes = {}, {}
-        for i in np.flatnonzero(restarted):
-            final_obs[i] = info["final_obs"][i]  # (after a life loss, obs goes on: no final_obs)
-            episodes[i] = {"return": float(self.episode_returns[i]),
-                           "length": int(self.episode_lengths[i])}
-            self.episode_returns[i], self.episode_lengths[i] = 0.0, 0
+        ended = np.flatnonzero(restarted)
+        final_obs = {i: info["final_obs"][i] for i in ended}  # (a lost life has none: obs goes on)
+        episodes = {i: {"return": float(self.episode_returns[i]),
+                        "length": int(self.episode_lengths[i])} for i in ended}
+        self.episode_returns[ended], self.episode_lengths[ended] = 0.0, 0
         rewards = np.sign(raw_rewards).astype(np.float32)
         return StepResult(rewards, terminated, truncated, final_obs, episodes)
 
     @staticmethod
     def endings(terminated: np.ndarray, episode_frames: np.ndarray, previous_frames: np.ndarray):
-        """(restarted, life_lost): a game that ended (game over, or cut by the frame limit) is
-        already a new one, whose frame counter starts again near 0; a termination in a game that
-        goes on is a lost life."""
+        """(restarted, life_lost): a new game restarts the frame counter; other ends: lost lives."""
         restarted = episode_frames <= previous_frames
         return restarted, terminated & ~restarted
-
-    def close(self):
-        self.env.close()
 
 
 class PictureRollout(Rollout):
     """The lesson's Rollout, each picture stored once (7,056 bytes a step, not 28,224): a stack's
-    older pictures are the newest of the steps before, unless it started afresh (`fresh[t]`: its
-    three older pictures all zero, as both engines restart one; other zeros rebuild as zeros)."""
+    older pictures are the newest of the steps before, unless it restarted (its older ones zero)."""
 
     def __init__(self, config: Config, device: torch.device):  # the lesson's, less `obs`
         self.num_envs, self.device = config.num_envs, device
@@ -867,8 +834,7 @@ class PictureRollout(Rollout):
         columns = (self.actions, self.log_probs, advantages, returns, self.values)
         return Minibatch(self.stacks(indices), *(c.flatten()[indices] for c in columns))
 
-    def stacks(self, indices: torch.Tensor) -> torch.Tensor:
-        """The observations [batch, 4, 84, 84] of flat indices, exactly as the games built them."""
+    def stacks(self, indices: torch.Tensor) -> torch.Tensor:  # exactly as the games built them
         counts = self.fresh.long().cumsum(0)  # stacks started afresh after step 0, up to step t
         steps, envs = indices // self.num_envs, indices % self.num_envs
         # Picture k of step t's stack is the newest of step t - 3 + k, in row t + k (rows 0-2: the
@@ -879,34 +845,25 @@ class PictureRollout(Rollout):
         flat_rows = (rows * self.num_envs + envs[:, None]).flatten()  # one gather of pictures:
         return self.pictures.flatten(0, 1).index_select(0, flat_rows).unflatten(0, rows.shape)
 
-# ----- Compilation -------------------------------------------------------------------------------
-
 
 def compile_learner(main: Main):
-    """torch.compile fuses the network into fewer, faster kernels, for the rollout's inference and
-    the loss (its backward with it); compiling the bound methods keeps the checkpoint's parameter
-    names. Both are compiled now, on inputs of the sizes they will see, so that a machine that
-    cannot compile falls back to eager at once, with a warning."""
+    """torch.compile the rollout's inference and the loss with its backward (bound methods: the
+    checkpoint's names stay), now, at their sizes: where compiling fails, eager code runs."""
     model, trainer, config, device = main.model, main.trainer, main.config, main.guard.device
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     eager_forward, eager_loss = model.forward, trainer.compute_loss
-    minibatch_size = config.num_envs * config.num_steps // config.num_minibatches
-    picture = (FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
     try:
         model.forward = torch.compile(eager_forward, mode=config.compile_mode)
         trainer.compute_loss = torch.compile(eager_loss, mode=config.compile_mode)
-        obs = torch.zeros((config.num_envs, *picture), dtype=torch.uint8, device=device)
-        # Compiled code is specialised to inference_mode (the rollout) and no_grad (the last value)
-        with torch.inference_mode():
+        rollout = PictureRollout(config, device)  # of zeros, at the run's sizes
+        obs = rollout.stacks(torch.arange(config.num_envs, device=device))
+        with torch.inference_mode():  # compiled code is specialised to it (the rollout)...
             model.act(obs)
-        with torch.no_grad():
+        with torch.no_grad():  # ...and to no_grad (the last value)
             model(obs)
-        minibatch_obs = torch.zeros((minibatch_size, *picture), dtype=torch.uint8, device=device)
-        # (distinct tensors: the compiled code is specialised to which arguments are the same)
-        actions, log_probs, advantages, returns, values = (
-            torch.zeros(minibatch_size, device=device) for _ in range(5))
-        loss, _ = trainer.compute_loss(Minibatch(minibatch_obs, actions.long(), log_probs,
-                                                 advantages + 1, returns, values))
+        # A minibatch: distinct tensors (compiled code is specialised to which are the same).
+        indices = torch.arange(rollout.actions.numel() // config.num_minibatches, device=device)
+        loss, _ = trainer.compute_loss(rollout.minibatch(indices, rollout.values, rollout.values))
         loss.backward()
         trainer.optimizer.zero_grad()
     except Exception as error:
@@ -920,7 +877,7 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
 
-# ----- Ranks: data-parallel training under torchrun -----------------------------------------------
+# ----- Ranks (torchrun); RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------
 
 
 class RankError(RuntimeError):
@@ -1032,8 +989,6 @@ class Ranks:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-# ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
-
 
 class UsageError(ValueError):
     """Bad input from the user: the command line prints its message on one line, exit status 2."""
@@ -1055,28 +1010,19 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 
 class RunGuard(Run):
-    """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
-    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
-    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
-    afterwards), the signal handlers given back, so that a notebook is left as it was."""
+    """Everything around PPO's loop that is not PPO (its RunLog tells what happens)."""
 
     def __init__(self, main: Main):
-        self.main, self.stop_signal, self.previous_handlers = main, None, {}
+        self.main, self.stop_signal, self.signals = main, None, None
         self.ranks = self.games = self.log = self.summary = None
 
     config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     rollout_class = PictureRollout  # the lesson's Rollout, each picture stored once
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
-
-    @staticmethod
-    def evaluate(config: Config) -> dict:  # --eval
-        return evaluate_checkpoint(config)
+    evaluate = staticmethod(lambda config: evaluate_checkpoint(config))  # --eval: no training
 
     def __enter__(self) -> "RunGuard":
-        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
-            for signum in (signal.SIGINT, signal.SIGTERM):  # (see note_signal)
-                self.previous_handlers[signum] = signal.signal(signum, self.note_signal)
+        self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
         try:
             self.setup()
         except BaseException:
@@ -1084,31 +1030,25 @@ class RunGuard(Run):
             raise
         return self
 
-    def note_signal(self, number: int, frame):
-        """Ctrl-C or SIGTERM: the run stops after this update and saves its checkpoint. A second
-        stops it at once (a long set-up or update need not be waited for): the last is kept."""
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt
-        self.stop_signal = number
-        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
-            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
-
     def setup(self):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
-        check_settings(self.config)
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
         config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
-        check_settings(config)
+        check_settings(config)  # the settings given, and on --resume the checkpoint's
         self.num_actions = inspect_env(config.env)
-        # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
-        self.ranks = Ranks(pick_device(config.device))
+        device = pick_device(config.device)
+        # What this process holds (peak RSS at --num-envs 8-128, --num-steps 4-256): 2 MB a game
+        # (its emulator); on the CPU, 7.1 KB a rollout step (a picture), 300 KB a minibatch row.
+        per_step = 8 if device.type == "cuda" else 7_100 + 300_000 // config.num_minibatches
+        refuse_what_will_not_fit(config.num_envs * (2_000_000 + config.num_steps * per_step),
+                                 "the games, the rollout and the update")
+        self.ranks = Ranks(device)  # under torchrun, joined with the others; alone, a world of one
         self.device = self.ranks.device
         self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
-        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
+        # The trainer's draws (sampling, shuffling) take seed + rank; each game seeds its own.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
@@ -1116,9 +1056,7 @@ class RunGuard(Run):
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
 
-    def prepare_learner(self) -> int:
-        """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
-        and compile (--compile). Returns the global step to start from."""
+    def prepare_learner(self) -> int:  # --resume, rank 0's weights everywhere, --compile
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
@@ -1148,10 +1086,7 @@ class RunGuard(Run):
     def mean(self, value: float) -> float:  # over the ranks (the value itself without torchrun)
         return self.ranks.mean([value])[0]
 
-    def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
-        torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
-        same order (by step, then rank), and whether any was asked to stop."""
+    def after_rollout(self, ended: list):  # all ranks' episodes, by step; Interrupted: stop
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1161,9 +1096,7 @@ class RunGuard(Run):
             self.stop_signal = signals[0]
             raise Interrupted
 
-    def after_update(self, stats: dict):
-        """Average the diagnostics over the ranks and stop if one is not finite; else log the
-        update and save when due."""
+    def after_update(self, stats: dict):  # the ranks' means: stop if not finite; log; save
         main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
@@ -1176,10 +1109,7 @@ class RunGuard(Run):
             self.last_checkpoint_step = main.global_step
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
-    def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
-        save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
-        failure is raised again once everything is saved."""
+    def __exit__(self, kind, error, traceback) -> bool:  # saves, unless bad input or a bug
         try:
             if self.games is not None:
                 self.games.close()
@@ -1201,13 +1131,34 @@ class RunGuard(Run):
         finally:
             self.give_back()
 
-    def give_back(self):
-        """Restore what the run changed in this process: the signal handlers."""
-        for signum, handler in self.previous_handlers.items():
-            signal.signal(signum, handler)
-        self.previous_handlers = {}
+    def give_back(self):  # what the run changed in this process: signal handlers, the ranks
+        if self.signals is not None:
+            self.signals.give_back()
         if self.ranks is not None:
             self.ranks.close()
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM during a run, caught in the main thread (the only one that can): the first
+    sets the guard's stop_signal (the run stops after this update and saves it); a second stops the
+    run at once, keeping the last checkpoint. give_back restores the handlers there before."""
+
+    def __init__(self, guard: "RunGuard"):
+        self.guard, self.previous_handlers = guard, {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous_handlers[signum] = signal.signal(signum, self.note)
+
+    def note(self, number: int, frame):
+        if self.guard.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.guard.stop_signal = number
+        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
+            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
+
+    def give_back(self):
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
 
 
 def tell(line: str):
@@ -1219,15 +1170,13 @@ def tell(line: str):
 
 
 class RunLog:
-    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
-    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
-    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+    """What a run tells, from rank 0: the start-up block, progress lines (at most one a second),
+    TensorBoard, summary.json, a closing line. Its counts span the resumes; its speeds, this one."""
 
     def __init__(self, guard: RunGuard, start_time: float):
         self.guard, self.main, self.start_time = guard, guard.main, start_time
-        resumed = guard.checkpoint is not None
-        saved = guard.checkpoint.get("log", {}) if resumed else {}
-        self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
+        saved = guard.checkpoint.get("log", {}) if guard.checkpoint else {}
+        self.resumed_at_step = int(guard.checkpoint["global_step"]) if guard.checkpoint else None
         self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
         self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
@@ -1245,8 +1194,7 @@ class RunLog:
         if self.writer is not None:
             tell(line)
 
-    def start(self):
-        """What runs where, what differs from the defaults, and how far it goes."""
+    def start(self):  # the start-up block: what runs where, what differs, how far it goes
         guard, config, step = self.guard, self.guard.config, self.main.global_step
         batch = guard.steps_per_step * config.num_steps
         self.last_step = step + max(0, math.ceil((config.total_timesteps - step) / batch)) * batch
@@ -1305,12 +1253,10 @@ class RunLog:
         if time.perf_counter() - self.last_print >= 1.0:
             self.print_progress()
 
-    def seconds(self) -> float:
-        """Wall-clock seconds of the whole run: the parts it was resumed from, and this one."""
+    def seconds(self) -> float:  # wall-clock, of the whole run: the parts resumed from, and this
         return self.earlier_seconds + time.perf_counter() - self.start_time
 
-    def steady_speed(self) -> Optional[float]:
-        """Steps per second since this process's first update (which holds one-time costs)."""
+    def steady_speed(self) -> Optional[float]:  # steps/s after this process's first update
         if self.first_update_end is None:
             return None
         end_time, end_step = self.first_update_end
@@ -1328,14 +1274,12 @@ class RunLog:
                  f"eta {eta} | return {mean(self.recent_returns)} | "
                  f"length {mean(self.recent_lengths)} | updates {self.guard.updates}")
 
-    def state(self) -> dict:
-        """What the checkpoint keeps of the log, for a resumed run to count on."""
+    def state(self) -> dict:  # what the checkpoint keeps of the log, for a resumed run
         return {"episodes": self.episodes, "seconds": self.seconds(),
                 "recent_returns": list(self.recent_returns),
                 "recent_lengths": list(self.recent_lengths)}
 
-    def finish(self, interrupted: bool, failed: bool) -> dict:
-        """Write summary.json, print the last progress line (once) and how the run ended."""
+    def finish(self, interrupted: bool, failed: bool) -> dict:  # summary.json, the last lines
         guard, config, step = self.guard, self.guard.config, self.main.global_step
         speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
@@ -1368,26 +1312,22 @@ class RunLog:
                      + (f" (continue with --resume {guard.run_dir})" if interrupted else ""))
         return summary
 
-# ----- Checkpoints --------------------------------------------------------------------------------
+# ----- Checkpoints, evaluation and video; the input's checks; the command line --------------------
 
 
 def learner_state(main: Main) -> dict:
-    """Everything needed to continue learning: only tensors, numbers, strings, lists and dicts, so
-    that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code)."""
+    """What a run continues from, as data torch.load(..., weights_only=True) reads (no code)."""
     guard = main.guard
-    return {
-        "script": SCRIPT, "env": main.config.env, "num_actions": guard.num_actions,
-        "config": dataclasses.asdict(main.config),
-        "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
-        "global_step": main.global_step, "updates": guard.updates,
-        "anneal_from": list(main.anneal_from), "log": guard.log.state(),
-        "rng": {"torch": torch.get_rng_state()},
-    }
+    return {"script": SCRIPT, "env": main.config.env, "num_actions": guard.num_actions,
+            "config": dataclasses.asdict(main.config),
+            "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
+            "global_step": main.global_step, "updates": guard.updates,
+            "anneal_from": list(main.anneal_from), "log": guard.log.state(),
+            "rng": {"torch": torch.get_rng_state()}}
 
 
 def load_weights(model: Model, weights: dict, config: Config):
-    """A checkpoint's weights into `model`; one that does not fit (another version of this script
-    wrote it) is refused in one line, for --resume and --eval alike."""
+    """A checkpoint's weights into `model`; ones that do not fit are refused in one line."""
     renamed = {"actor" + key[6:] if key.startswith("policy.") else key: value  # an older
                for key, value in weights.items()}  # script's names: the actor was `policy`
     try:
@@ -1475,9 +1415,7 @@ def load_checkpoint(path: str) -> dict:
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
-    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
-    checkpoint's folder unless given. A different env is refused."""
+    """A resumed (or evaluated) run's settings: the checkpoint's, but those given win."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
@@ -1489,13 +1427,10 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
                          f"{changed['env']}")
     return Config(**{**saved, **changed})
 
-# ----- Evaluation and video -----------------------------------------------------------------------
-
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
-    """--eval: play --eval-episodes whole games (all lives) with a checkpoint's policy and report
-    the real, unclipped score."""
+    """--eval: the real, unclipped score of --eval-episodes whole games (all lives) of a policy."""
     check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
@@ -1528,8 +1463,7 @@ def evaluate_checkpoint(given: Config) -> dict:
 
 
 def write_frame(video, game: Game, path: Path):
-    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame); one
-    picture per agent step, so that the video plays at real speed."""
+    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
     frame = game.env.render()
     if video is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1540,8 +1474,6 @@ def write_frame(video, game: Game, path: Path):
             raise UsageError(f"OpenCV cannot write {path}")
     video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
     return video
-
-# ----- Checking the input -------------------------------------------------------------------------
 
 
 RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
@@ -1568,8 +1500,7 @@ def refuse_what_will_not_fit(needed: int, what: str):
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, in one line that says what to change: a number outside
-    the range its Config field names, or not finite; flags that make no sense together."""
+    """Refuse, in one line saying what to change, numbers out of range and clashing flags."""
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
@@ -1649,8 +1580,7 @@ RUN_FILES = ("checkpoint.pt", "summary.json", "events.out.tfevents.*", "eval.mp4
 
 
 def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
-    """The run dir, made and tested for writing. One that holds another run is refused, unless
-    --overwrite (which deletes that run's files first) or it is the folder being resumed."""
+    """The run dir, made and tested for writing; one holding another run needs --overwrite."""
     default = f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}"
     run_dir = Path(config.run_dir or default)
     resumed_here = (checkpoint is not None
@@ -1670,8 +1600,6 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
         raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}"
                          ) from None
     return run_dir
-
-# ----- The command line ---------------------------------------------------------------------------
 
 
 def typed_fields(argv: list) -> set:
@@ -1707,6 +1635,7 @@ def command_line(argv=None) -> int:
 # A pasted notebook cell has no __file__: there, defining everything is all this file does.
 if __name__ == "__main__" and "__file__" in globals():
     status = command_line()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all is saved: a late Ctrl-C waits for the exit
     gc.collect()  # the run's cycles freed now (an engine's C++ threads stop with it), then
     gc.freeze()  # the collection at exit skips all objects left, torch's too: ~0.4 s sooner
     sys.exit(status)

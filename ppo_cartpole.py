@@ -1145,12 +1145,11 @@ class RunGuard(Run):
 
 
 class StopSignals:
-    """Ctrl-C and SIGTERM during a run, caught in the main thread (the only one that can). The
-    first sets the guard's stop_signal: the run stops after this update and saves its checkpoint.
-    A second stops it at once (a long set-up or update need not be waited for), keeping the last
-    checkpoint. give_back puts the handlers that were there before back."""
+    """Ctrl-C and SIGTERM during a run, caught in the main thread (the only one that can): the first
+    sets the guard's stop_signal (the run stops after this update and saves it); a second stops the
+    run at once, keeping the last checkpoint. give_back restores the handlers there before."""
 
-    def __init__(self, guard: RunGuard):
+    def __init__(self, guard: "RunGuard"):
         self.guard, self.previous_handlers = guard, {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -1166,7 +1165,6 @@ class StopSignals:
     def give_back(self):
         for signum, handler in self.previous_handlers.items():
             signal.signal(signum, handler)
-        self.previous_handlers = {}
 
 
 def tell(line: str):

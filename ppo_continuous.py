@@ -629,11 +629,8 @@ class Main:
         return stats
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on (Workers, or a Pendulum written in torch), the lesson's step in NumPy for the
-# CPU (while the lesson is the shipped one) and compilation; `Ranks` (torchrun); `RunGuard` and
-# `RunLog` (set-up, Ctrl-C, failures, logging, summary), which extend the lesson's plain `Run`;
-# checkpoints; evaluation and video; the input checks; the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable, section by
+# section: `RunGuard` and `RunLog` extend the lesson's plain `Run` (Ctrl-C, failures, logging).
 
 import copy
 import datetime
@@ -657,11 +654,9 @@ import torch.distributed as dist  # already loaded by `import torch`: costs noth
 
 
 class GuardedWorker(Worker):
-    """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
-    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
-    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
-    instead of blocking `recv()` forever."""
+    """A Worker made safe for long runs. The child ignores SIGINT, reports its Games' errors in one
+    line, and closes its copies of the trainer's pipe ends (it exits once the trainer is gone); the
+    trainer waits on pipe and process at once: a child that dies is a WorkerError, not a hang."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
@@ -739,8 +734,7 @@ class InProcessWorker(Worker):
 
 class WorkerPool:
     """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
-    this process with --num-workers 0), their observations in one [num_envs, obs_size] tensor in
-    shared memory, as Run's (torch unlinks it at once: nothing outlives the run), read in place."""
+    this process with --num-workers 0), their observations in one shared [num_envs, obs_size]."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
         self.device, self.workers = device, []
@@ -763,12 +757,10 @@ class WorkerPool:
             self.close()  # the workers started so far
             raise
 
-    def observations(self) -> torch.Tensor:
-        """The games' current observations on the training device (no copy on the CPU)."""
+    def observations(self) -> torch.Tensor:  # on the training device (no copy on the CPU)
         return self.obs_tensor.to(self.device)
 
-    def step(self, actions: torch.Tensor) -> StepResult:
-        """Send all workers their actions first, then collect (the children run in parallel)."""
+    def step(self, actions: torch.Tensor) -> StepResult:  # all sent first: the children run at once
         actions = actions.cpu().numpy()
         for worker in self.workers:
             worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
@@ -784,8 +776,7 @@ class WorkerPool:
 
 class TorchPendulum:
     """gymnasium's Pendulum-v1 in torch (`--env-backend torch`): all games' states (angle, speed)
-    in one tensor on the device, stepped by a few tensor ops. The same game (tests/ step both from
-    the same states), restarted in the same step; equal to gymnasium's in distribution."""
+    in one tensor on the device, restarted in the same step: gymnasium's game (tests/ compare)."""
 
     MAX_SPEED, MAX_TORQUE, DT, G, M, L = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
     MAX_EPISODE_STEPS = 200
@@ -888,12 +879,12 @@ def ended_episodes(episodes: list) -> list:
     return [(steps[t], {"return": float(returns[t, i]), "length": int(lengths[t, i])})
             for t, i in ended.nonzero().tolist()]
 
-# ----- The CPU's fast path: the lesson's step in NumPy, while the lesson is the shipped one -------
+# ----- The CPU's fast path (the lesson's step in NumPy, while it is the shipped one); compilation -
 
 # The lesson's definitions that NumpyPlayer and NumpyLearner compute again, and the sha256 of each
-# one's source as shipped. Where one differs (a reader's edit) or cannot be read (a notebook's
-# cell), the NumPy path steps aside: the lesson's torch code runs, as it reads. After a change on
-# purpose, make the NumPy path equal again (tests/test_continuous.py), then renew LESSON_DIGEST.
+# one's source as shipped: where one differs (a reader's edit) or cannot be read (a notebook's
+# cell), the lesson's torch code runs. After a change on purpose, make the NumPy path equal again
+# (tests/test_continuous.py), then renew LESSON_DIGEST.
 NUMPY_STANDS_IN_FOR = ("RunningMeanStd", "Model", "compute_gae", "Minibatch", "Rollout", "Adam",
                        "Trainer", "Main.collect_rollout", "Main.estimate_advantages")
 LESSON_DIGEST = {
@@ -923,14 +914,11 @@ def lesson_digest() -> dict:
 
 
 def use_numpy_on_cpu(main: Main) -> str:
-    """--numpy-on-cpu (the default). On the CPU, with the games in this process, a step of MuJoCo's
-    HalfCheetah takes ~30 us and PPO's arithmetic on it a few more, but torch's eager dispatch
-    costs ~3 us for each of the ~60 small operations of the lesson's step, and a 64-row gradient
-    step with autograd ~1 ms (benchmarks/README.md); NumPy dispatches in about a microsecond. So,
-    while the lesson is the shipped one, NumpyPlayer and NumpyLearner compute its formulas again
-    in NumPy, on its own tensors (a CPU tensor and its `.numpy()` share memory), equal up to
-    rounding (tests/). torchrun and --compile keep torch's gradient step; Workers in child
-    processes keep the lesson's rollout. Returns the start-up line: which learner runs, and why."""
+    """--numpy-on-cpu (the default): torch's dispatch of the lesson's many small operations costs
+    more than a game's step, NumPy's far less (benchmarks/README.md). So, while the lesson is the
+    shipped one, NumpyPlayer and NumpyLearner compute it again in NumPy on its own tensors (shared
+    memory), equal up to rounding (tests/); torchrun and --compile keep torch's gradient step,
+    Workers in child processes the lesson's rollout. Returns the learner's start-up line."""
     config, guard, torch_code = main.config, main.guard, "learner: the lesson's torch code"
     if not config.numpy_on_cpu or guard.device.type != "cpu":
         return torch_code + (", torch.compile" if config.compile else "")
@@ -1001,8 +989,7 @@ class NumpyPlayer:
         self.log_std = main.model.log_std.detach().numpy()  # [1, action_size]
 
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Main.collect_rollout, step for step (its comments say why); the noise is drawn from
-        torch's seeded generator once a rollout."""
+        """Main.collect_rollout step for step (its comments say why); noise drawn once a rollout."""
         main, config, guard, rollout = self.main, self.config, self.guard, self.main.rollout
         worker, pool_obs = main.games.workers[0], main.games.obs_array  # (an InProcessWorker)
         obs, actions, log_probs, values, rewards_out, dones = (
@@ -1064,11 +1051,9 @@ class NumpyPlayer:
 
 
 class NumpyLearner:
-    """Trainer.gradient_step in NumPy (see use_numpy_on_cpu): Trainer.ppo_loss, its gradient by
-    the chain rule written out from the loss back to each weight, the global norm clipped, Adam's
-    Adam.step. The model's weights and Adam's moments move into one flat array each (the tensors
-    stay, their memory a view into it), so that clipping and Adam are a few operations on all at
-    once."""
+    """Trainer.gradient_step in NumPy (see use_numpy_on_cpu): Trainer.ppo_loss, its gradient by the
+    chain rule, the global norm clipped, Adam.step. The weights and Adam's moments move into a flat
+    array each (the tensors become views): clipping and Adam are a few operations on all at once."""
 
     def __init__(self, main: Main):
         self.config, optimizer = main.config, main.trainer.optimizer
@@ -1156,8 +1141,7 @@ class NumpyLearner:
                 d_out = (d_out @ layers[index][0]) * (1 - x * x)
 
     def clip_and_step(self) -> float:
-        """nn.utils.clip_grad_norm_ (the global norm scaled down to max_grad_norm), then Adam's
-        step, on all weights at once. Returns the norm before clipping."""
+        """nn.utils.clip_grad_norm_, then Adam.step, on all weights at once; the norm unclipped."""
         group, grad, m, v = self.optimizer.param_groups[0], self.grad, self.exp_avg, self.exp_avg_sq
         norm = float(np.sqrt(np.dot(grad, grad)))
         grad *= np.float32(min(1.0, self.config.max_grad_norm / (norm + 1e-6)))
@@ -1175,15 +1159,10 @@ class NumpyLearner:
         return norm
 
 
-# ----- Compilation --------------------------------------------------------------------------------
-
-
 def compile_learner(main: Main):
-    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and the
-    loss (its backward compiled with it): seconds that Pendulum never earns back, hence off by
-    default. Compiling the bound methods, not the modules, keeps the checkpoint's parameter names.
-    Both are compiled here, on inputs of the sizes they will see, so that a machine that cannot
-    compile falls back to eager at once, with a warning."""
+    """torch.compile the networks' forward passes and the loss with its backward: off by default
+    (seconds Pendulum never earns back). Bound methods, not modules: the checkpoint's names stay.
+    Both run here once, at their sizes: where compiling fails, eager code runs from the start."""
     model, trainer, config, guard = main.model, main.trainer, main.config, main.guard
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     networks = (model.actor, model.critic)
@@ -1366,42 +1345,28 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 
 class RunGuard(Run):
-    """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
-    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
-    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
-    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
+    """Everything around PPO's loop that is not PPO, as a context manager. On entry: the settings,
+    --resume's checkpoint, the ranks, the run dir, the seeds. In the loop: Ctrl-C, checkpoints,
+    non-finite losses (told by its RunLog). On exit, however the run ended: the games closed, the
+    last checkpoint and the summary saved, and what the process lent given back (a notebook's)."""
 
     def __init__(self, main: Main):
-        self.main, self.previous_handlers, self.previous_threads = main, {}, torch.get_num_threads()
-        self.stop_signal = self.ranks = self.games = self.log = self.summary = None
+        self.main, self.stop_signal, self.signals = main, None, None
+        self.previous_threads = torch.get_num_threads()
+        self.ranks = self.games = self.log = self.summary = None
 
     config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
-
-    @staticmethod
-    def evaluate(config: Config) -> dict:  # --eval
-        return evaluate_checkpoint(config)
+    evaluate = staticmethod(lambda config: evaluate_checkpoint(config))  # --eval
 
     def __enter__(self) -> "RunGuard":
-        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
-            for signum in (signal.SIGINT, signal.SIGTERM):  # (see note_signal)
-                self.previous_handlers[signum] = signal.signal(signum, self.note_signal)
+        self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
         try:
             self.setup()
         except BaseException:
             self.give_back()
             raise
         return self
-
-    def note_signal(self, number: int, frame):
-        """Ctrl-C or SIGTERM: the run stops after this update and saves its checkpoint. A second
-        stops it at once (a long set-up or update need not be waited for): the last is kept."""
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt
-        self.stop_signal = number
-        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
-            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
 
     def setup(self):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
@@ -1410,30 +1375,32 @@ class RunGuard(Run):
         config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
         check_settings(config)
         self.obs_size, self.action_size, *self.action_bounds = inspect_env(config.env)
-        # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
-        self.ranks = Ranks(pick_device(config.device))
+        # The rollout: an observation, an action and 6 more numbers (advantages, returns...) a
+        # step, ~3 copies in an update; and each game its own (peak RSS from --num-envs 64 to 256
+        # grew 1.07 MB a HalfCheetah game, 23 KB a Pendulum game).
+        game_bytes = 2 ** 20 if runs_on_mujoco(config.env) else 2 ** 15
+        refuse_what_will_not_fit(config.num_envs * (3 * 4 * config.num_steps * (
+            self.obs_size + self.action_size + 6) + game_bytes), "the rollout and the games")
+        self.ranks = Ranks(pick_device(config.device))  # under torchrun, a GPU each; alone, one
         self.device = self.ranks.device
         self.action_bounds = [bound.to(self.device) for bound in self.action_bounds]
         self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
-        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
+        log_mujoco_into(self.run_dir)  # (MuJoCo's warnings, if any)
+        # The trainer draws (sampling, shuffling) from torch's generator; rank r's seeded seed + r.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
-        # One thread is fastest for networks this small (benchmarks/README.md); given back after.
-        # NumPy's matrix products too: the command line sets OPENBLAS_NUM_THREADS=1 before NumPy
-        # loads (OpenBLAS's spinning second thread made whole runs many times slower: benchmarks/).
+        # One thread is fastest for networks this small (benchmarks/README.md); NumPy's: the top.
         torch.set_num_threads(1)
         self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
 
     def prepare_learner(self) -> int:
-        """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
-        compile (--compile), take the NumPy path (--numpy-on-cpu). Returns the step to start at."""
+        """--resume, rank 0's weights everywhere, --compile, the NumPy path: the first step."""
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
@@ -1464,8 +1431,7 @@ class RunGuard(Run):
         return self.ranks.mean([value])[0]
 
     def after_rollout(self, episodes: list):
-        """Record the episodes that ended; stop (raise Interrupted) if asked to. Under torchrun the
-        ranks merge their statistics here, and all learn every episode and stop request alike."""
+        """Record the ended episodes (all ranks', statistics merged); raise Interrupted to stop."""
         merge_over_ranks(self.ranks, self.main, self.last_good_learner["normalizer"])
         shared = self.ranks.gather((ended_episodes(episodes), self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
@@ -1517,12 +1483,35 @@ class RunGuard(Run):
 
     def give_back(self):
         """Restore what the run changed in this process: signal handlers, torch's thread count."""
-        for signum, handler in self.previous_handlers.items():
-            signal.signal(signum, handler)
-        self.previous_handlers = {}
+        if self.signals is not None:
+            self.signals.give_back()
         torch.set_num_threads(self.previous_threads)
+        log_mujoco_into(None)  # (no longer into the run dir)
         if self.ranks is not None:
             self.ranks.close()
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM during a run, caught in the main thread (the only one that can): the first
+    sets the guard's stop_signal (the run stops after this update and saves it); a second stops the
+    run at once, keeping the last checkpoint. give_back restores the handlers there before."""
+
+    def __init__(self, guard: "RunGuard"):
+        self.guard, self.previous_handlers = guard, {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous_handlers[signum] = signal.signal(signum, self.note)
+
+    def note(self, number: int, frame):
+        if self.guard.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.guard.stop_signal = number
+        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
+            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
+
+    def give_back(self):
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
 
 
 def tell(line: str):
@@ -1534,9 +1523,8 @@ def tell(line: str):
 
 
 class RunLog:
-    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
-    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
-    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+    """What a run tells, from rank 0: the start-up block, progress lines (at most one a second),
+    TensorBoard, summary.json, a closing line. Its counts span the resumes; its speeds, this one."""
 
     def __init__(self, guard: RunGuard, start_time: float):
         self.guard, self.main, self.start_time = guard, guard.main, start_time
@@ -1687,8 +1675,7 @@ def load_statistics(stats: RunningMeanStd, state: dict):
 
 
 def learner_state(main: Main) -> dict:
-    """Everything needed to continue learning: only tensors, numbers, strings, lists and dicts, so
-    that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code)."""
+    """All a resumed run needs, as plain data: torch.load(..., weights_only=True) runs no code."""
     guard = main.guard
     return {
         "script": SCRIPT, "env": main.config.env, "obs_size": guard.obs_size,
@@ -1704,8 +1691,8 @@ def learner_state(main: Main) -> dict:
 
 
 def load_weights(model: Model, weights: dict, config: Config):
-    """A checkpoint's weights into `model`; one that does not fit (another version of this script
-    wrote it) is refused in one line, for --resume and --eval alike."""
+    """A checkpoint's weights into `model`, for --resume and --eval; refused in one line if they
+    do not fit (another version of this script wrote them)."""
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:
@@ -1794,9 +1781,8 @@ def load_checkpoint(path: str) -> dict:
 
 
 def resumed_config(checkpoint: dict, given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
-    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
-    checkpoint's folder unless given. A different env or network is refused."""
+    """A resumed (or evaluated) run's settings: the checkpoint's, but those given win (a new
+    --total-timesteps...); the run dir: its folder unless given. Another env or net: refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
@@ -1822,7 +1808,7 @@ def evaluate_checkpoint(given: Config) -> dict:
     config = resumed_config(checkpoint, given)
     obs_size, action_size, low, high = inspect_env(config.env)
     # MuJoCo draws with OpenGL: without a display, offscreen (MUJOCO_GL=egl or osmesa).
-    if config.video and "mujoco" in str(gym.spec(config.env).entry_point) and not (
+    if config.video and runs_on_mujoco(config.env) and not (
             os.environ.get("MUJOCO_GL") in ("egl", "osmesa") or os.environ.get("DISPLAY")):
         raise UsageError(f"--video of {config.env} needs a display, or MuJoCo's offscreen "
                          f"drawing: run with MUJOCO_GL=egl or MUJOCO_GL=osmesa")
@@ -1861,8 +1847,7 @@ def write_frame(video, game: Game, path: Path):
     """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
     import cv2  # only --video needs OpenCV
 
-    # pygame, which draws the classic-control games, would open SDL's display and sound drivers
-    # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
+    # pygame draws the classic-control games: the picture needs no display or sound (SDL's dummy).
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     frame = game.env.render()
@@ -1907,8 +1892,8 @@ def refuse_what_will_not_fit(needed: int, what: str):
 
 
 def check_settings(config: Config):
-    """Refuse settings that cannot work, in one line that says what to change: a number outside
-    the range its Config field names, or not finite; flags that make no sense together."""
+    """Refuse, in one line saying what to change, numbers out of range (or not finite) and flags
+    that cannot work together."""
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
@@ -1960,8 +1945,9 @@ def inspect_env(env_id: str):
         hint = f"; did you mean {close}?" if close else "; see gymnasium.pprint_registry()"
         raise UsageError(f"unknown env {env_id!r}{hint}")
     try:
-        if "mujoco" in str(gym.spec(registered).entry_point):  # (only MuJoCo's envs need it)
+        if runs_on_mujoco(env_id):  # (only MuJoCo's envs need it)
             import mujoco  # noqa: F401
+            log_mujoco_into(None)  # (before the first of its models is compiled, just below)
     except ImportError:
         raise UsageError(f"{env_id} runs on MuJoCo, which is not installed: "
                          f"pip install \"gymnasium[mujoco]\"") from None
@@ -1993,6 +1979,20 @@ def inspect_env(env_id: str):
     low, high = (torch.as_tensor(bound, dtype=torch.float32).flatten()
                  for bound in (action_space.low, action_space.high))
     return int(np.prod(obs_space.shape)), int(np.prod(action_space.shape)), low, high
+
+
+def runs_on_mujoco(env_id: str) -> bool:
+    return "mujoco" in str(gym.spec(env_id.rpartition(":")[2]).entry_point)
+
+
+def log_mujoco_into(folder: Optional[Path]):
+    """MuJoCo's warnings into `folder`'s MUJOCO_LOG.TXT, not the working dir's (None: printed)."""
+    mujoco = sys.modules.get("mujoco")
+    if hasattr(mujoco, "MjLogConfig"):  # (MuJoCo 3.10 and later)
+        log = mujoco.MjLogConfig.get()
+        log.logto_file = folder is not None
+        log.logfile = str(Path(folder or "") / "MUJOCO_LOG.TXT")
+        log.set()
 
 
 def pick_device(name: str) -> torch.device:
@@ -2071,6 +2071,7 @@ def command_line(argv=None) -> int:
 # A pasted notebook cell has no __file__: there, defining everything is all this file does.
 if __name__ == "__main__" and "__file__" in globals():
     status = command_line()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all is saved: a late Ctrl-C waits for the exit
     gc.collect()  # the run's cycles freed now (an engine's C++ threads stop with it), then
     gc.freeze()  # the collection at exit skips all objects left, torch's too: ~0.4 s sooner
     sys.exit(status)

@@ -888,10 +888,8 @@ class Main:
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the engines
-# the games run on and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C,
-# failures, logging, summary), which extend the lesson's plain `Run`; checkpoints; evaluation and
-# video; the input checks; the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable, section by
+# section: `RunGuard` and `RunLog` extend the lesson's plain `Run` (Ctrl-C, failures, logging).
 
 import copy
 import datetime
@@ -911,15 +909,14 @@ from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-# ----- Engines: the games, fast and guarded -------------------------------------------------------
+# ----- Engines: the games, fast and guarded; the loss compiled ------------------------------------
 
 
 class GuardedWorker(Worker):
-    """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
-    whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
-    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
-    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
-    instead of blocking `recv()` forever."""
+    """A Worker made safe for long runs. The child ignores SIGINT (the trainer decides how to stop),
+    reports its Games' errors in one line, and closes its copies of the trainer's pipe ends: it
+    exits once the trainer is gone. The trainer waits on the pipe and the process at once: a child
+    that dies is reported (WorkerError) instead of blocking `recv()` forever."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
@@ -989,19 +986,14 @@ class InProcessWorker(Worker):
     def receive(self) -> tuple:
         return self.step_games(self.games, self.actions, self.obs_view)
 
-    @staticmethod
-    def close_games(games: list):
-        for game in games:
-            game.env.close()
-
     def close(self):
-        self.close_games(self.games)
+        for game in self.games:
+            game.env.close()
 
 
 class WorkerPool:
     """All the games of this rank: num_workers Workers of num_envs / num_workers Games each (one in
-    this process with --num-workers 0), their observations in one [num_envs, obs_size] array
-    (shared memory with child processes), read as a tensor without a copy."""
+    this process with --num-workers 0), their observations in one shared [num_envs, obs_size]."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
         self.device, self.workers, self.shared_obs = device, [], None
@@ -1028,17 +1020,13 @@ class WorkerPool:
             self.shared_obs.unlink()
         self.obs_tensor = torch.from_numpy(self.obs_array)
 
-    def observations(self) -> torch.Tensor:
-        """The games' current observations on the training device (no copy on the CPU)."""
+    def observations(self) -> torch.Tensor:  # on the training device (no copy on the CPU)
         return self.obs_tensor.to(self.device)
 
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Send all workers their actions first, then collect: the children run in parallel."""
+    def step(self, actions: np.ndarray) -> StepResult:  # all sent first: children run in parallel
         for worker in self.workers:
             worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
         results = [worker.receive() for worker in self.workers]
-        if len(results) == 1:
-            return StepResult(*results[0])
         final_obs, episodes = {}, {}
         for worker, (_, _, _, worker_final_obs, worker_episodes) in zip(self.workers, results):
             final_obs.update({worker.first + i: obs for i, obs in worker_final_obs.items()})
@@ -1055,14 +1043,11 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
-# ----- Compilation --------------------------------------------------------------------------------
-
 
 def compile_learner(main: Main):
-    """torch.compile the loss (its backward compiled with it). The recurrent kinds step a cell in a
-    Python loop, which compiles into one long graph: seconds that small games never earn back,
-    hence off by default. A machine that cannot compile falls back to eager at the first
-    minibatch, with a one-line warning."""
+    """torch.compile the loss and its backward: off by default (the recurrent kinds' Python loop
+    compiles into a long graph, seconds small games never earn back). A machine that cannot
+    compile falls back to eager at the first minibatch, with a one-line warning."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     trainer = main.trainer
     eager_loss, compiled_loss = trainer.compute_loss, torch.compile(trainer.compute_loss)
@@ -1220,14 +1205,13 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 
 class RunGuard(Run):
-    """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
-    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
-    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
-    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
+    """Everything around PPO's loop that is not PPO, as a context manager. On entry: the settings,
+    --resume's checkpoint, the ranks, the run dir, the seeds. In the loop: Ctrl-C, checkpoints,
+    non-finite losses, told by its RunLog. On exit, however the run ended: the games closed, the
+    last checkpoint and the summary saved, and what the process lent given back (a notebook's)."""
 
     def __init__(self, main: Main):
-        self.main, self.stop_signal, self.previous_handlers = main, None, {}
+        self.main, self.stop_signal, self.signals = main, None, None
         self.previous_threads = torch.get_num_threads()
         self.ranks = self.games = self.log = self.summary = None
 
@@ -1238,9 +1222,7 @@ class RunGuard(Run):
         return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
-        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
-            for signum in (signal.SIGINT, signal.SIGTERM):  # (see note_signal)
-                self.previous_handlers[signum] = signal.signal(signum, self.note_signal)
+        self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
         try:
             self.setup()
         except BaseException:
@@ -1248,31 +1230,20 @@ class RunGuard(Run):
             raise
         return self
 
-    def note_signal(self, number: int, frame):
-        """Ctrl-C or SIGTERM: the run stops after this update and saves its checkpoint. A second
-        stops it at once (a long set-up or update need not be waited for): the last is kept."""
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt
-        self.stop_signal = number
-        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
-            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
-
     def setup(self):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
-        check_settings(with_kind_defaults(self.config))
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
         config = resumed_config(self.checkpoint, self.config)  # (and the kind's defaults)
         check_settings(config)
         self.obs_size, self.num_actions = inspect_env(config.env)
-        # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
-        self.ranks = Ranks(pick_device(config.device))
+        refuse_a_rollout_too_large(config, self.obs_size, self.num_actions)
+        self.ranks = Ranks(pick_device(config.device))  # under torchrun, a GPU each; alone, one
         self.device = self.ranks.device
         self.steps_per_step = config.num_envs * self.ranks.world_size  # all envs of all ranks
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
-        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
+        # Torch's generator makes the trainer's draws (sampling, shuffling): rank r seeds seed + r.
         self.seed = config.seed + self.ranks.rank
         random.seed(self.seed)
         np.random.seed(self.seed)
@@ -1283,8 +1254,7 @@ class RunGuard(Run):
         self.log = RunLog(self, start_time)
 
     def prepare_learner(self) -> int:
-        """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
-        and compile (--compile). Returns the global step to start from."""
+        """--resume's checkpoint, rank 0's weights everywhere, --compile: the step to start at."""
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
@@ -1316,9 +1286,8 @@ class RunGuard(Run):
         return self.ranks.mean(moments), count * self.ranks.world_size
 
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
-        torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
-        same order (by step, then rank), and whether any was asked to stop."""
+        """Record the episodes that ended (under torchrun every rank's, by step, then rank: the same
+        on all); raise Interrupted if any rank was asked to stop."""
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1328,9 +1297,7 @@ class RunGuard(Run):
             self.stop_signal = signals[0]
             raise Interrupted
 
-    def after_update(self, stats: dict):
-        """Average the diagnostics over the ranks and stop if one is not finite; else log the
-        update and save when due."""
+    def after_update(self, stats: dict):  # the ranks' mean: stop if not finite, else log and save
         main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
@@ -1344,9 +1311,8 @@ class RunGuard(Run):
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
     def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
-        save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
-        failure is raised again once everything is saved."""
+        """Close the games; unless the error is one a run cannot save from (bad input, a bug), save
+        the checkpoint and the summary. Ctrl-C ends a run normally; a failure is raised again."""
         try:
             if self.games is not None:
                 self.games.close()
@@ -1368,14 +1334,35 @@ class RunGuard(Run):
         finally:
             self.give_back()
 
-    def give_back(self):
-        """Restore what the run changed in this process: signal handlers, torch's thread count."""
-        for signum, handler in self.previous_handlers.items():
-            signal.signal(signum, handler)
-        self.previous_handlers = {}
+    def give_back(self):  # what the run changed in this process: signal handlers, torch's threads
+        if self.signals is not None:
+            self.signals.give_back()
         torch.set_num_threads(self.previous_threads)
         if self.ranks is not None:
             self.ranks.close()
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM during a run, caught in the main thread (the only one that can): the first
+    sets the guard's stop_signal (the run stops after this update and saves it); a second stops the
+    run at once, keeping the last checkpoint. give_back restores the handlers there before."""
+
+    def __init__(self, guard: "RunGuard"):
+        self.guard, self.previous_handlers = guard, {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous_handlers[signum] = signal.signal(signum, self.note)
+
+    def note(self, number: int, frame):
+        if self.guard.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.guard.stop_signal = number
+        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
+            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
+
+    def give_back(self):
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
 
 
 def tell(line: str):
@@ -1387,15 +1374,13 @@ def tell(line: str):
 
 
 class RunLog:
-    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
-    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
-    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+    """What a run tells, from rank 0: the start-up block, progress lines (at most one a second),
+    TensorBoard, summary.json, a closing line. Its counts span the resumes; its speeds, this one."""
 
     def __init__(self, guard: RunGuard, start_time: float):
         self.guard, self.main, self.start_time = guard, guard.main, start_time
-        resumed = guard.checkpoint is not None
-        saved = guard.checkpoint.get("log", {}) if resumed else {}
-        self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
+        saved = guard.checkpoint.get("log", {}) if guard.checkpoint else {}
+        self.resumed_at_step = int(guard.checkpoint["global_step"]) if guard.checkpoint else None
         self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
         self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
@@ -1413,8 +1398,7 @@ class RunLog:
         if self.writer is not None:
             tell(line)
 
-    def start(self):
-        """What runs where, what differs from the defaults, and how far it goes."""
+    def start(self):  # the start-up block: what runs where, what is not the default, how far
         guard, config, step = self.guard, self.guard.config, self.main.global_step
         batch = guard.steps_per_step * config.num_steps
         self.last_step = step + max(0, math.ceil((config.total_timesteps - step) / batch)) * batch
@@ -1474,12 +1458,10 @@ class RunLog:
         if time.perf_counter() - self.last_print >= 1.0:
             self.print_progress()
 
-    def seconds(self) -> float:
-        """Wall-clock seconds of the whole run: the parts it was resumed from, and this one."""
+    def seconds(self) -> float:  # wall-clock, of the whole run: the parts it resumed, and this one
         return self.earlier_seconds + time.perf_counter() - self.start_time
 
-    def steady_speed(self) -> Optional[float]:
-        """Steps per second since this process's first update (which holds one-time costs)."""
+    def steady_speed(self) -> Optional[float]:  # steps/s after this process's first update
         if self.first_update_end is None:
             return None
         end_time, end_step = self.first_update_end
@@ -1497,8 +1479,7 @@ class RunLog:
                  f"eta {eta} | return {mean(self.recent_returns)} | "
                  f"length {mean(self.recent_lengths)} | updates {self.guard.updates}")
 
-    def state(self) -> dict:
-        """What the checkpoint keeps of the log, for a resumed run to count on."""
+    def state(self) -> dict:  # what the checkpoint keeps of the log, for a resumed run
         return {"episodes": self.episodes, "seconds": self.seconds(),
                 "recent_returns": list(self.recent_returns),
                 "recent_lengths": list(self.recent_lengths)}
@@ -1509,8 +1490,7 @@ class RunLog:
         speed, path = self.steady_speed(), guard.run_dir / "summary.json"
         summary = {
             "script": SCRIPT, "env": config.env, "memory": config.memory, "seed": config.seed,
-            "steps": step,
-            "seconds": round(self.seconds(), 3),
+            "steps": step, "seconds": round(self.seconds(), 3),
             "warmup_seconds": (round(self.first_update_end[0] - self.start_time, 3)
                                if self.first_update_end else None),
             "steps_per_second": round(speed, 1) if speed else None, "episodes": self.episodes,
@@ -1539,19 +1519,17 @@ class RunLog:
         return summary
 
 
-def memory_line(config: Config) -> str:
-    """The start-up block's line on the memory: the kind and its settings, as resolved."""
+def memory_line(config: Config) -> str:  # the start-up block's: the kind and its settings
     each = "each for actor and critic"
     what = {"none": "each step alone, in MLPs",
             "framestack": f"the last {config.frame_stack} steps side by side, in MLPs",
-            "lstm": f"a cell {each}", "gru": f"a cell {each}",
             "attention": f"a gated Transformer-XL block {each} over the last "
-                         f"{config.attention_span} steps"}[config.memory]
+                         f"{config.attention_span} steps"}.get(config.memory, f"a cell {each}")
     inputs = ", with the previous action and reward" if config.prev_action_reward else ""
     return (f"{config.memory}, {what}, {config.hidden_size} units, sequences of "
             f"{config.num_steps} steps{inputs}")
 
-# ----- Checkpoints --------------------------------------------------------------------------------
+# ----- Checkpoints, evaluation and video ----------------------------------------------------------
 
 
 def learner_state(main: Main) -> dict:
@@ -1561,17 +1539,15 @@ def learner_state(main: Main) -> dict:
     return {
         "script": SCRIPT, "env": main.config.env, "memory": main.config.memory,
         "obs_size": guard.obs_size, "num_actions": guard.num_actions,
-        "config": dataclasses.asdict(main.config),
+        "config": dataclasses.asdict(main.config), "rng": {"torch": torch.get_rng_state()},
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
         "global_step": main.global_step, "updates": guard.updates,
         "anneal_from": list(main.anneal_from), "log": guard.log.state(),
-        "rng": {"torch": torch.get_rng_state()},
     }
 
 
 def load_weights(model: Model, weights: dict, config: Config):
-    """A checkpoint's weights into `model`; one that does not fit (another version of this script
-    wrote it) is refused in one line, for --resume and --eval alike."""
+    """Load a checkpoint's weights (--resume, --eval), refusing in one line ones that do not fit."""
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:
@@ -1663,10 +1639,9 @@ NETWORK_FIELDS = ("env", "hidden_size", "memory", "frame_stack", "attention_span
 
 
 def resumed_config(checkpoint: Optional[dict], given: Config) -> Config:
-    """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
-    differently from their defaults (e.g. a new --total-timesteps); the run dir is the
-    checkpoint's folder unless given. A different env or network is refused. Without a checkpoint,
-    the given settings, with the --memory kind's values for the fields left at None."""
+    """The settings of a resumed (or evaluated) run: the checkpoint's, but those given (e.g. a new
+    --total-timesteps) win; the run dir: the checkpoint's folder unless given. A different env or
+    network is refused. Without a checkpoint: the given settings, with the kind's defaults."""
     if checkpoint is None:
         return with_kind_defaults(given)
     fields = dataclasses.fields(Config)
@@ -1681,14 +1656,11 @@ def resumed_config(checkpoint: Optional[dict], given: Config) -> Config:
                              f"{saved.get(name)}, not {changed[name]}")
     return Config(**{**saved, **changed})
 
-# ----- Evaluation and video -----------------------------------------------------------------------
-
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
-    """--eval: play --eval-episodes games with a checkpoint's policy and report the return. The
-    memory is carried from step to step as in training: the recurrent state (zero at an episode's
-    start), or for framestack and attention a window of the last rows with their start flags."""
+    """--eval: play --eval-episodes games with a checkpoint's policy and report the return, the
+    memory carried as in training (the recurrent state, or the window of the last rows)."""
     check_settings(with_kind_defaults(given))
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
@@ -1728,12 +1700,10 @@ def evaluate_checkpoint(given: Config) -> dict:
             "video": str(path) if video is not None else None}
 
 
-def write_frame(video, game: Game, path: Path):
-    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
+def write_frame(video, game: Game, path: Path):  # the game's picture into eval.mp4 (OpenCV)
     import cv2  # only --video needs OpenCV
 
-    # pygame, which draws the classic-control games, would open SDL's display and sound drivers
-    # and complain, on a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
+    # pygame (classic control's pictures) needs no SDL display or sound: dummies, no complaints.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     frame = game.env.render()
@@ -1747,7 +1717,7 @@ def write_frame(video, game: Game, path: Path):
     video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
     return video
 
-# ----- Checking the input -------------------------------------------------------------------------
+# ----- Checking the input; the command line -------------------------------------------------------
 
 
 RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
@@ -1780,9 +1750,21 @@ def refuse_what_will_not_fit(needed: int, what: str):
                          f"{free / 2 ** 30:,.1f} GiB free: lower --num-envs or --num-steps")
 
 
+def refuse_a_rollout_too_large(config: Config, obs_size: int, num_actions: int):
+    """Refuse what will not fit. A step of a game: an input, an observation, 10 numbers (rollout);
+    its share of a minibatch's activations, per unit: 7 (none, framestack), 40 (lstm, gru), 92 + 12
+    a step of the span (attention). Peak RSS, 64 to 1024 games of 128 steps: +0.1 GiB framestack,
+    +0.5 lstm, +0.6 gru, +2.1 attention; the games' own memory is too small to see."""
+    units = {"lstm": 40, "gru": 40, "attention": 92 + 12 * config.attention_span}
+    numbers = (2 * obs_size + num_actions + 11
+               + units.get(config.memory, 7) * config.hidden_size / config.num_minibatches)
+    refuse_what_will_not_fit(int(4 * numbers * config.num_steps * config.num_envs),
+                             "the rollout and its update")
+
+
 def check_settings(config: Config):
-    """Refuse settings that cannot work, in one line that says what to change: a number outside
-    the range its Config field names, or not finite; flags that make no sense together."""
+    """Refuse, in one line saying what to change, numbers out of range (or not finite) and flags
+    that cannot work together."""
     if config.memory not in KIND_DEFAULTS:
         raise UsageError(f"unknown --memory {config.memory!r}: use {', '.join(KIND_DEFAULTS)}")
     for f in dataclasses.fields(Config):
@@ -1807,8 +1789,7 @@ def check_settings(config: Config):
     if window and getattr(config, window) > config.num_steps + 1:
         raise UsageError(f"--{window.replace('_', '-')} {getattr(config, window)} reaches beyond "
                          f"the rollout before: at most --num-steps + 1 ({config.num_steps + 1})")
-    # Minibatches hold whole env sequences (LSTM details, #4): they split the envs.
-    if config.num_envs % config.num_minibatches:
+    if config.num_envs % config.num_minibatches:  # whole env sequences (LSTM details, #4)
         raise UsageError(f"the {config.num_envs} envs (--num-envs) do not split into "
                          f"--num-minibatches {config.num_minibatches} (minibatches split the envs)")
     batch_size = config.num_envs * config.num_steps
@@ -1818,19 +1799,16 @@ def check_settings(config: Config):
 
 
 def inspect_env(env_id: str):
-    """Check that the env exists and that this script can play it. Returns (observation size,
-    number of actions)."""
+    """Check that the env exists and that this script can play it: (obs size, number of actions)."""
     register_stateless_envs()
-    if env_id.startswith("popgym-") and env_id not in gym.registry:
-        try:
-            import popgym  # noqa: F401 (registers its games with gymnasium)
-        except ImportError:
-            raise UsageError(f"{env_id} is a POPGym game: pip install popgym") from None
     module, _, registered = env_id.rpartition(":")  # "module:Env-v0": the module registers it
+    if registered.startswith("popgym-") and not module:
+        module = "popgym"  # (so does POPGym, for its games)
     try:
         importlib.import_module(module or "gymnasium")  # (gymnasium: imported already)
     except ImportError as error:
-        raise UsageError(f"cannot import {module} for --env {env_id}: {error}") from None
+        hint = ": pip install popgym" if module == "popgym" else ""
+        raise UsageError(f"cannot import {module} for --env {env_id} ({error}){hint}") from None
     if registered not in gym.registry:
         with contextlib.suppress(ImportError):  # ale-py registers the Atari ids: say where they go
             import ale_py
@@ -1862,16 +1840,11 @@ def inspect_env(env_id: str):
     obs_size = gym.spaces.flatdim(obs_space)
     if isinstance(action_space, gym.spaces.Discrete):
         return obs_size, int(action_space.n)
-    if isinstance(action_space, gym.spaces.Box):
-        raise UsageError(f"{env_id} has a {action_space} action space (continuous): use "
-                         f"ppo_continuous.py, which has a Gaussian policy")
-    if isinstance(action_space, (gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
-        raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
-                         f"Discrete actions: use ppo_cartpole.py (no memory)")
     kind = type(action_space).__name__
+    scripts = {"Box": "ppo_continuous.py", "MultiDiscrete": "ppo_cartpole.py",
+               "MultiBinary": "ppo_cartpole.py", "Dict": "ppo_spaces.py", "Tuple": "ppo_spaces.py"}
     raise UsageError(f"{env_id} has a {action_space} action space; this script handles Discrete "
-                     f"actions" + (": use ppo_spaces.py (no memory) for nests of actions"
-                                   if kind in ("Dict", "Tuple") else
+                     f"actions" + (f": use {scripts[kind]} (no memory)" if kind in scripts else
                                    f", and no script of this library handles {kind} actions yet"))
 
 
@@ -1916,8 +1889,6 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
                          ) from None
     return run_dir
 
-# ----- The command line ---------------------------------------------------------------------------
-
 
 def typed_fields(argv: list) -> set:
     """The Config fields a command line names: on --resume, a flag typed wins whatever its value."""
@@ -1952,6 +1923,7 @@ def command_line(argv=None) -> int:
 # A pasted notebook cell has no __file__: there, defining everything is all this file does.
 if __name__ == "__main__" and "__file__" in globals():
     status = command_line()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all is saved: a late Ctrl-C waits for the exit
     gc.collect()  # the run's cycles freed now (an engine's C++ threads stop with it), then
     gc.freeze()  # the collection at exit skips all objects left, torch's too: ~0.4 s sooner
     sys.exit(status)

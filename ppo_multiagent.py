@@ -845,10 +845,8 @@ class Main:
 
 # ==== Below: speed, safety and scale. PPO is complete above. ======================================
 #
-# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable: the Workers
-# made safe, and compilation; `Ranks` (torchrun); `RunGuard` and `RunLog` (set-up, Ctrl-C,
-# failures, logging, summary), which extend the lesson's plain `Run`; checkpoints; evaluation and
-# video; the input checks; the command line.
+# A reader of PPO may stop here. What follows makes the lesson fast, safe and scalable, section by
+# section: `RunGuard` and `RunLog` extend the lesson's plain `Run` (Ctrl-C, failures, logging).
 
 import ast
 import copy
@@ -856,6 +854,7 @@ import datetime
 import gc
 import hashlib
 import importlib
+import inspect
 import json
 import logging
 import multiprocessing.connection
@@ -867,15 +866,14 @@ from pathlib import Path
 import gymnasium as gym
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-# ----- Engines: the games, fast and guarded -------------------------------------------------------
+# ----- Engines: the games, fast and guarded; the learner compiled ---------------------------------
 
 
 class GuardedWorker(Worker):
     """A Worker made safe for long runs. The child ignores SIGINT (a terminal's Ctrl-C reaches the
     whole group: the trainer decides how to stop), reports its Games' errors in one line, and closes
-    its inherited copies of the trainer's pipe ends, so that it exits once the trainer is gone. The
-    trainer waits on the pipe and the process at once: a child that dies is reported (WorkerError)
-    instead of blocking `recv()` forever."""
+    its copies of the trainer's pipe ends, so that it exits once the trainer is gone. The trainer
+    waits on the pipe and the process at once: a child that dies is a WorkerError, not a hang."""
 
     def __init__(self, index: int, env_id: str, seeds: list, options: dict,
                  obs_view: np.ndarray, inherited_trainer_ends: list):
@@ -889,9 +887,7 @@ class GuardedWorker(Worker):
             end.close()
         try:
             super().child_loop(conn, seeds, options)
-        except (EOFError, BrokenPipeError, KeyboardInterrupt):
-            pass  # the trainer is gone or stopping: just exit
-        except Exception as error:
+        except Exception as error:  # (the trainer gone, EOFError: the send fails, and it exits)
             with contextlib.suppress(OSError):
                 conn.send(("error", f"{type(error).__name__}: {error}"))
         finally:
@@ -907,14 +903,11 @@ class GuardedWorker(Worker):
         if not ready:
             raise WorkerError(f"{name} did not answer within {timeout:.0f} s")
         if self.trainer_end in ready:
-            try:
+            with contextlib.suppress(EOFError, OSError):  # a closed pipe: the child is dead
                 status, payload = self.trainer_end.recv()
-            except (EOFError, OSError):
-                status, payload = "dead", None
-            if status == "ok":
+                if status == "error":
+                    raise WorkerError(f"{name} failed: {payload}")
                 return payload
-            if status == "error":
-                raise WorkerError(f"{name} failed: {payload}")
         self.process.join(timeout=1.0)
         code = self.process.exitcode
         how = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
@@ -952,24 +945,24 @@ class InProcessWorker(Worker):
             game.env.close()
 
 
-class WorkerPool:
-    """All the envs of this rank: num_envs Games in max(num_workers, 1) GuardedWorkers (one
-    InProcessWorker with --num-workers 0), Game i seeded with first_seed + i, taking --env-kwargs;
-    their rows, env-major as `Rollout` reads them, in one tensor in shared memory. Each child is
-    told the trainer ends of the Workers started before it (to close its copies); a failure to
-    start one closes those started so far."""
+class WorkerPool(Worker):
+    """All the envs of this rank, as one Worker of num_envs Games (Game i seeded with first_seed +
+    i): max(num_workers, 1) GuardedWorkers (one InProcessWorker with --num-workers 0), their rows
+    in one array in shared memory. Each child closes its copies of the trainer ends of the Workers
+    started before it; a failure to start one closes those started so far."""
 
     def __init__(self, config: Config, spec: EnvSpec, first_seed: int):
         self.workers, count = [], max(config.num_workers, 1)
-        self.obs = torch.zeros(config.num_envs * spec.num_agents,
-                               max(group.row_size for group in spec.groups)).share_memory_()
-        options = {"env_kwargs": parse_env_kwargs(config.env_kwargs),
-                   "agent_id": config.agent_id, "central_value": config.central_value,
-                   "width": self.obs.shape[1], "groups": {g.name: g.slots for g in spec.groups}}
+        width = max(group.row_size for group in spec.groups)
+        self.obs_view = torch.zeros(config.num_envs * spec.num_agents,
+                                    width).share_memory_().numpy()  # env-major, as `Rollout` reads
+        options = {"env_kwargs": parse_env_kwargs(config.env_kwargs), "agent_id": config.agent_id,
+                   "central_value": config.central_value, "width": width,
+                   "groups": {group.name: group.slots for group in spec.groups}}
         worker_class = InProcessWorker if config.num_workers == 0 else GuardedWorker
         seeds = np.split(first_seed + np.arange(config.num_envs), count)
         try:
-            for index, rows in enumerate(np.split(self.obs.numpy(), count)):  # a Worker's view
+            for index, rows in enumerate(np.split(self.obs_view, count)):  # a Worker's view
                 self.workers.append(worker_class(
                     index, config.env, seeds[index].tolist(), options, rows,
                     [worker.trainer_end for worker in self.workers if worker.trainer_end]))
@@ -978,35 +971,24 @@ class WorkerPool:
             raise
         self.present_array = np.concatenate([worker.present_array for worker in self.workers])
 
-    def observations(self) -> torch.Tensor:  # the envs' current rows (shared memory)
-        return self.obs
-
-    def present(self) -> torch.Tensor:  # 1.0 for each row whose agent is in its env now, else 0.0
-        return torch.from_numpy(self.present_array).float()
-
-    def step(self, actions: np.ndarray) -> StepResult:
-        """Send all Workers their actions first, then collect: the children play in parallel."""
+    def send_step(self, actions: np.ndarray):  # all first, then `receive`: they play in parallel
         for worker, part in zip(self.workers, np.split(actions, len(self.workers))):
             worker.send_step(part)
-        result = Worker.merge_results([game for worker in self.workers
-                                       for game in worker.receive()])  # env by env
-        self.present_array = result.present
-        return result
+
+    def receive(self) -> list:  # every Game's answer, env by env
+        return [game for worker in self.workers for game in worker.receive()]
 
     def close(self):
         for worker in self.workers:
             worker.close()
         self.workers = []
 
-# ----- Compilation --------------------------------------------------------------------------------
-
 
 def compile_learner(main: Main):
-    """torch.compile fuses the small layers into fewer kernels, for the rollout's inference and the
-    loss (its backward compiled with it): seconds that networks this small never earn back, hence
-    off by default. Compiling the bound methods, not the modules, keeps the checkpoint's parameter
-    names. Both are compiled here, on inputs of the sizes they will see, so that a machine that
-    cannot compile falls back to eager at once, with a warning."""
+    """torch.compile the networks' forwards and the loss (its backward with it): seconds networks
+    this small never earn back, hence off by default. Bound methods, not modules: the checkpoint's
+    names stay. Compiled here, on inputs of the sizes they will see: a machine that cannot compile
+    falls back to eager at once, with a warning."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     models, trainer, config, guard = main.models, main.trainer, main.config, main.guard
     networks = [network for model in models.values() for network in (model.actor, model.critic)]
@@ -1017,16 +999,12 @@ def compile_learner(main: Main):
         trainer.compute_loss = torch.compile(eager_loss)
         minibatches = {}
         for group in guard.spec.groups:  # a step of every env, and a minibatch, of each group
-            batch_rows = config.num_envs * len(group.slots)
-            rows = batch_rows * config.num_steps // config.num_minibatches
+            rollout = Rollout(config, group, guard.spec.num_agents, guard.device)  # of zeros
             with torch.no_grad():
-                models[group.name].act(torch.zeros(batch_rows, group.row_size, device=guard.device))
-            zeros = torch.zeros(rows, device=guard.device)
-            actions = (torch.zeros(rows, group.num_actions, device=guard.device) if group.continuous
-                       else torch.zeros(rows, dtype=torch.long, device=guard.device))
-            obs = torch.zeros(rows, group.row_size, device=guard.device)
-            minibatches[group.name] = Minibatch(obs, actions, zeros, zeros + 1, zeros, zeros,
-                                                zeros + 1)
+                models[group.name].act(rollout.obs[0])
+            size = rollout.mask.numel() // config.num_minibatches
+            minibatches[group.name] = rollout.minibatch(torch.arange(size, device=guard.device),
+                                                        rollout.mask, rollout.mask)
         loss, _ = trainer.compute_loss(minibatches)
         loss.backward()
         trainer.optimizer.zero_grad()
@@ -1178,39 +1156,27 @@ FAILURES = (WorkerError, NonFiniteLoss, RankError)  # what stops a run with exit
 
 
 class RunGuard(Run):
-    """Everything around PPO's loop that is not PPO, as a context manager: `with RunGuard(main)`.
-    On entry: the settings, --resume's checkpoint, the ranks, the run dir, the seeds. In the loop:
-    Ctrl-C, checkpoints, non-finite losses; its RunLog tells what happens. On exit, however the run
-    ended: the games closed, the last checkpoint and the summary saved (a failure raised again
-    afterwards), signal handlers and torch's threads given back, so a notebook is left as it was."""
+    """Everything around PPO's loop that is not PPO, as a context manager. On entry: the settings,
+    --resume's checkpoint, the ranks, the run dir, the seeds. In the loop: Ctrl-C, checkpoints,
+    non-finite losses, told by its RunLog. On exit, however the run ended: the games closed, the
+    last checkpoint and the summary saved, and what the process lent given back (a notebook's)."""
+
+    ranks = log = stop_signal = signals = None
+    solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+    evaluate = staticmethod(lambda config: evaluate_checkpoint(config))  # --eval (below)
 
     def __init__(self, main: Main):
         super().__init__(main)
-        self.stop_signal, self.previous_handlers = None, {}
         self.previous_threads = torch.get_num_threads()
-        self.ranks = self.log = None
-
-    solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
 
     def __enter__(self) -> "RunGuard":
-        if threading.current_thread() is threading.main_thread():  # (where signals can be caught)
-            for signum in (signal.SIGINT, signal.SIGTERM):  # (see note_signal)
-                self.previous_handlers[signum] = signal.signal(signum, self.note_signal)
+        self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
         try:
             self.setup()
         except BaseException:
             self.give_back()
             raise
         return self
-
-    def note_signal(self, number: int, frame):
-        """Ctrl-C or SIGTERM: the run stops after this update and saves its checkpoint. A second
-        stops it at once (a long set-up or update need not be waited for): the last is kept."""
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt
-        self.stop_signal = number
-        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
-            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
 
     def setup(self):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
@@ -1225,18 +1191,16 @@ class RunGuard(Run):
         # Rank 0 names and makes the run dir: the default name holds the time, which may differ.
         self.run_dir = self.ranks.from_rank_0(lambda: make_run_dir(config, self.checkpoint))
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
-        # Every random draw of the trainer (sampling, shuffling) comes from torch's seeded
-        # generator, and each game from its own. Rank r seeds with seed + r: its draws are its own.
+        # The trainer draws (sampling, shuffling) from torch's generator; rank r's seeded seed + r.
         self.seed = config.seed + self.ranks.rank
         self.seed_everything(self.seed)
         # One thread is fastest for networks this small (benchmarks/README.md); given back after.
         torch.set_num_threads(1)
-        self.updates, self.checkpoint_path = 0, self.run_dir / "checkpoint.pt"
+        self.checkpoint_path = self.run_dir / "checkpoint.pt"
         self.log = RunLog(self, start_time)
 
     def prepare_learner(self) -> int:
-        """Continue from --resume's checkpoint (if any), start every rank from rank 0's weights,
-        and compile (--compile). Returns the global step to start from."""
+        """--resume's checkpoint, rank 0's weights everywhere, --compile: the step to start at."""
         main = self.main
         main.global_step, main.trainer.average_gradients = 0, self.ranks.average_gradients
         if self.checkpoint is not None:
@@ -1265,9 +1229,8 @@ class RunGuard(Run):
         return self.ranks.mean(value) if isinstance(value, list) else self.ranks.mean([value])[0]
 
     def after_rollout(self, ended: list):
-        """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
-        torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
-        same order (by step, then rank), and whether any was asked to stop."""
+        """Record the rollout's episodes; raise Interrupted if asked to stop. Under torchrun the
+        ranks meet here: each learns every rank's episodes (by step, then rank) and signals."""
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1278,8 +1241,7 @@ class RunGuard(Run):
             raise Interrupted
 
     def after_update(self, stats: dict):
-        """Average the diagnostics over the ranks and stop if one is not finite; else log the
-        update and save when due."""
+        """The ranks' mean diagnostics: stop if one is not finite, else log, and save when due."""
         main, stats = self.main, dict(zip(stats, self.ranks.mean(list(stats.values()))))
         if not all(math.isfinite(v) for v in stats.values()):
             values = ", ".join(f"{key}={value}" for key, value in stats.items())
@@ -1293,9 +1255,8 @@ class RunGuard(Run):
         self.last_good_learner = copy.deepcopy(learner_state(main))
 
     def __exit__(self, kind, error, traceback) -> bool:
-        """Close the games and, unless the error is one a run cannot save from (bad input, a bug),
-        save the last checkpoint and the summary. Ctrl-C ends a run normally (`interrupted`); a
-        failure is raised again once everything is saved."""
+        """Close the games; unless the error is one a run cannot save from (bad input, a bug), save
+        the checkpoint and the summary. Ctrl-C ends a run normally; a failure is raised again."""
         try:
             if self.games is not None:
                 self.games.close()
@@ -1319,17 +1280,34 @@ class RunGuard(Run):
 
     def give_back(self):
         """Restore what the run changed in this process: signal handlers, torch's thread count."""
-        for signum, handler in self.previous_handlers.items():
-            signal.signal(signum, handler)
-        self.previous_handlers = {}
+        if self.signals is not None:
+            self.signals.give_back()
         torch.set_num_threads(self.previous_threads)
         if self.ranks is not None:
             self.ranks.close()
 
-    @staticmethod
-    def evaluate(config: Config) -> dict:
-        """--eval: play the checkpoint's policies."""
-        return evaluate_checkpoint(config)
+
+class StopSignals:
+    """Ctrl-C and SIGTERM during a run, caught in the main thread (the only one that can): the first
+    sets the guard's stop_signal (the run stops after this update and saves it); a second stops the
+    run at once, keeping the last checkpoint. give_back restores the handlers there before."""
+
+    def __init__(self, guard: "RunGuard"):
+        self.guard, self.previous_handlers = guard, {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous_handlers[signum] = signal.signal(signum, self.note)
+
+    def note(self, number: int, frame):
+        if self.guard.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.guard.stop_signal = number
+        with contextlib.suppress(OSError):  # (print is not safe inside a signal handler)
+            os.write(2, b"stopping after this update; a second Ctrl-C stops at once\n")
+
+    def give_back(self):
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
 
 
 def tell(line: str):
@@ -1341,9 +1319,8 @@ def tell(line: str):
 
 
 class RunLog:
-    """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
-    second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
-    the last 100 returns) cover the whole run across resumes; its speeds, this process alone."""
+    """What rank 0 tells: the start-up block, a progress line per update (one a second at most),
+    TensorBoard, summary.json, a closing line. Counts span resumes; speeds, this process alone."""
 
     def __init__(self, guard: RunGuard, start_time: float):
         self.guard, self.main, self.start_time = guard, guard.main, start_time
@@ -1351,13 +1328,11 @@ class RunLog:
         saved = guard.checkpoint.get("log", {}) if resumed else {}
         self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
         self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
-        self.recent_returns, self.recent_team_returns, self.recent_lengths = (
-            deque(saved.get(f"recent_{kind}", []), maxlen=100)
-            for kind in ("returns", "team_returns", "lengths"))
-        groups = saved.get("recent_group_returns", {})  # by "<group>/return", "<group>/team_return"
-        self.recent_group_returns = {key: deque(groups.get(key, []), maxlen=100) for key in (
-            f"{group.name}/{kind}" for group in guard.spec.groups
-            for kind in ("return", "team_return"))}
+        groups = saved.get("recent_group_returns", {})  # the last 100 of each, named as in `state`
+        self.recent = {key: deque(saved.get(f"recent_{key}s", groups.get(key, [])), maxlen=100)
+                       for key in ("return", "team_return", "length", *(
+                           f"{group.name}/{kind}" for group in guard.spec.groups
+                           for kind in ("return", "team_return")))}
         self.solved_step = self.solved_seconds = self.first_update_end = self.printed_step = None
         self.last_print, self.writer = 0.0, None
         if guard.ranks.rank == 0:  # rank 0 speaks for all; TensorBoard shows the settings too
@@ -1393,26 +1368,31 @@ class RunLog:
             until = f", annealed to 0 by step {self.last_step:,}" if config.anneal_lr else ""
             self.say(f"resuming from {guard.checkpoint['path']} at step {step:,} (learning rate "
                      f"{self.main.trainer.optimizer.param_groups[0]['lr']:.6g}{until})")
-        self.say("\n".join(what_runs(config, guard.spec)))
+        workers = config.num_workers  # what runs: the learner, the engine, the groups
+        self.say("learner: the lesson's torch code (Model, Trainer, compute_gae)"
+                 + (", torch.compile" if config.compile else ""))
+        self.say(f"engine: the lesson's Game, {config.num_envs // workers} per Worker in {workers} "
+                 f"child process{'es' * (workers > 1)}" if workers else
+                 f"engine: the lesson's Game, {config.num_envs} in this process")
+        for group in guard.spec.groups:
+            self.say(f"group {group.name}: {', '.join(group.agents)}; actions {group.action_space}")
+        if config.compile:
+            self.say("compiling the model and the update (torch.compile, once per run; this can "
+                     "take a minute)...")
 
     def record_episode(self, episode: dict, step: int):
         self.episodes += 1
-        self.recent_returns.append(episode["return"])
-        self.recent_team_returns.append(episode["team_return"])
-        self.recent_lengths.append(episode["length"])
-        for name, returns in episode["groups"].items():  # charts/<group>/episodic_return, ...
-            for kind, value in returns.items():
-                self.recent_group_returns[f"{name}/{kind}"].append(value)
-                if self.writer is not None:
-                    tag = "episodic_return" if kind == "return" else kind
-                    self.writer.add_scalar(f"charts/{name}/{tag}", value, step)
-        if self.writer is not None:
-            self.writer.add_scalar("charts/episodic_return", episode["return"], step)
-            self.writer.add_scalar("charts/team_return", episode["team_return"], step)
-            self.writer.add_scalar("charts/episodic_length", episode["length"], step)
+        numbers = {**{key: episode[key] for key in ("return", "team_return", "length")},
+                   **{f"{name}/{kind}": value for name, returns in episode["groups"].items()
+                      for kind, value in returns.items()}}
+        for key, value in numbers.items():  # charts/episodic_return, charts/<group>/team_return...
+            self.recent[key].append(value)
+            if self.writer is not None:
+                group, slash, kind = key.rpartition("/")
+                tag = f"episodic_{kind}" if kind in ("return", "length") else kind
+                self.writer.add_scalar(f"charts/{group}{slash}{tag}", value, step)
         config = self.guard.config  # the target is all agents' return, or --target-group's
-        judged = (self.recent_group_returns[f"{config.target_group}/return"]
-                  if config.target_group else self.recent_returns)
+        judged = self.recent[f"{config.target_group}/return" if config.target_group else "return"]
         if (config.target_return is not None and self.solved_step is None and len(judged) == 100
                 and np.mean(judged) >= config.target_return):
             self.solved_step, self.solved_seconds = step, self.seconds()
@@ -1451,23 +1431,21 @@ class RunLog:
         speed = (self.steady_speed() or (step - (self.resumed_at_step or 0))
                  / max(self.last_print - self.start_time, 1e-9))
         eta = time.strftime("%H:%M:%S", time.gmtime(max(total - step, 0) / max(speed, 1e-9)))
-        mean = lambda values: f"{np.mean(values):.2f}" if values else "-"
+        mean = lambda key: f"{np.mean(self.recent[key]):.2f}" if self.recent[key] else "-"
         env_steps = step // self.guard.spec.num_agents
-        groups = "".join(f"| {name} {mean(self.recent_group_returns[name + '/return'])} "
+        groups = "".join(f"| {name} {mean(name + '/return')} "
                          for name in self.main.models if len(self.main.models) > 1)
         self.say(f"step {step:,}/{total:,} ({100 * step / total:.1f}%) | env steps {env_steps:,} | "
-                 f"{speed:,.0f} steps/s | eta {eta} | return per agent {mean(self.recent_returns)} "
-                 f"| team {mean(self.recent_team_returns)} {groups}| length "
-                 f"{mean(self.recent_lengths)} | updates {self.guard.updates}")
+                 f"{speed:,.0f} steps/s | eta {eta} | return per agent {mean('return')} | team "
+                 f"{mean('team_return')} {groups}| length {mean('length')} | updates "
+                 f"{self.guard.updates}")
 
     def state(self) -> dict:
         """What the checkpoint keeps of the log, for a resumed run to count on."""
-        return {"episodes": self.episodes, "seconds": self.seconds(),
-                "recent_returns": list(self.recent_returns),
-                "recent_team_returns": list(self.recent_team_returns),
-                "recent_group_returns": {key: list(values)
-                                         for key, values in self.recent_group_returns.items()},
-                "recent_lengths": list(self.recent_lengths)}
+        recent = {key: list(values) for key, values in self.recent.items()}
+        whole = {f"recent_{key}s": recent.pop(key) for key in ("return", "team_return", "length")}
+        return {"episodes": self.episodes, "seconds": self.seconds(), **whole,
+                "recent_group_returns": recent}
 
     def finish(self, interrupted: bool, failed: bool) -> dict:
         """Write summary.json, print the last progress line (once) and how the run ended."""
@@ -1492,23 +1470,6 @@ class RunLog:
         return summary
 
 
-def what_runs(config: Config, spec: EnvSpec) -> list:
-    """The start-up block's lines on what runs: the learner, the engine, each group (a policy's
-    agents and their actions), and whether it compiles."""
-    workers = config.num_workers
-    lines = ["learner: the lesson's torch code (Model, Trainer, compute_gae)"
-             + (", torch.compile" if config.compile else ""),
-             f"engine: the lesson's Game, {config.num_envs // workers} per Worker in {workers} "
-             f"child process{'es' * (workers > 1)}" if workers else
-             f"engine: the lesson's Game, {config.num_envs} in this process"]
-    lines += [f"group {group.name}: {', '.join(group.agents)}; actions {group.action_space}"
-              for group in spec.groups]
-    if config.compile:
-        lines.append("compiling the model and the update (torch.compile, once per run; this can "
-                     "take a minute)...")
-    return lines
-
-
 def run_summary(log: RunLog, interrupted: bool) -> dict:
     """summary.json: the run's counts and results; each group's returns under "groups"."""
     guard, config, step = log.guard, log.guard.config, log.main.global_step
@@ -1520,8 +1481,8 @@ def run_summary(log: RunLog, interrupted: bool) -> dict:
         "warmup_seconds": (round(log.first_update_end[0] - log.start_time, 3)
                            if log.first_update_end else None),
         "steps_per_second": round(speed, 1) if speed else None, "episodes": log.episodes,
-        "mean_return_100": mean(log.recent_returns),
-        "mean_team_return_100": mean(log.recent_team_returns),
+        "mean_return_100": mean(log.recent["return"]),
+        "mean_team_return_100": mean(log.recent["team_return"]),
         "env_steps": step // guard.spec.num_agents, "num_agents": guard.spec.num_agents,
         "target_return": config.target_return, "solved_step": log.solved_step,
         "solved_seconds": (round(log.solved_seconds, 3) if log.solved_seconds is not None
@@ -1530,38 +1491,34 @@ def run_summary(log: RunLog, interrupted: bool) -> dict:
         "world_size": guard.ranks.world_size, "resumed_at_step": log.resumed_at_step,
         "target_group": config.target_group or None,
         "groups": {group.name: {"agents": group.agents,
-                                **{f"mean_{kind}_100": mean(log.recent_group_returns[
-                                    f"{group.name}/{kind}"]) for kind in ("return", "team_return")}}
+                                **{f"mean_{kind}_100": mean(log.recent[f"{group.name}/{kind}"])
+                                   for kind in ("return", "team_return")}}
                    for group in guard.spec.groups}}
 
-# ----- Checkpoints --------------------------------------------------------------------------------
+# ----- Checkpoints, evaluation and video ----------------------------------------------------------
 
 
 def learner_state(main: Main) -> dict:
     """Everything needed to continue learning: only tensors, numbers, strings, lists and dicts, so
     that torch.load(..., weights_only=True) can read it back (a checkpoint cannot run code)."""
     guard = main.guard
-    return {
-        "script": SCRIPT, "env": main.config.env, "env_kwargs": main.config.env_kwargs,
-        # Each group: [agents, observation size, actions (Discrete: choices; Box: dimensions),
-        # state size]; its agents and action space by name; the networks, by group.
-        "spec": {group.name: [len(group.slots), group.obs_size, group.num_actions,
-                              guard.spec.state_size] for group in guard.spec.groups},
-        "groups": {group.name: {"agents": group.agents, "action_space": group.action_space}
-                   for group in guard.spec.groups},
-        "config": dataclasses.asdict(main.config),
-        "model": main.models.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
-        "global_step": main.global_step, "updates": guard.updates,
-        "anneal_from": list(main.anneal_from), "log": guard.log.state(),
-        "rng": {"torch": torch.get_rng_state()},
-    }
+    return {"script": SCRIPT, "env": main.config.env, "env_kwargs": main.config.env_kwargs,
+            # Each group's [agents, observation size, actions (choices or dimensions), state size].
+            "spec": {group.name: [len(group.slots), group.obs_size, group.num_actions,
+                                  guard.spec.state_size] for group in guard.spec.groups},
+            "groups": {group.name: {"agents": group.agents, "action_space": group.action_space}
+                       for group in guard.spec.groups},
+            "config": dataclasses.asdict(main.config),
+            "model": main.models.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
+            "global_step": main.global_step, "updates": guard.updates,
+            "anneal_from": list(main.anneal_from), "log": guard.log.state(),
+            "rng": {"torch": torch.get_rng_state()}}
 
 
-def grouped_weights(models: nn.ModuleDict, weights: dict) -> dict:
-    """A checkpoint's weights, by today's names. One from before policy groups holds one shared
-    network's weights, their names without a group's: they are the one group's. One from before
-    RunningMeanStd holds return_mean, return_std and return_count: return_stats' mean, the square
-    root of its var, and its count."""
+def load_weights(models: nn.ModuleDict, weights: dict, config: Config):
+    """A checkpoint's weights into the networks (that they must fit), by today's names: one shared
+    network's, without a group's name (before policy groups), are the one group's; return_mean,
+    return_std and return_count (before RunningMeanStd) are return_stats' mean, sqrt(var), count."""
     names = list(models)
     if len(names) == 1 and "actor.0.weight" in weights:
         weights = {f"{names[0]}.{key}": value for key, value in weights.items()}
@@ -1573,7 +1530,11 @@ def grouped_weights(models: nn.ModuleDict, weights: dict) -> dict:
         elif name in ("return_mean", "return_count"):
             key = f"{group}.return_stats.{name.removeprefix('return_')}"
         renamed[key] = value
-    return renamed
+    try:
+        models.load_state_dict(renamed)
+    except RuntimeError as error:
+        raise UsageError(f"the checkpoint's networks do not fit {config.env} with hidden size "
+                         f"{config.hidden_size}: {str(error).splitlines()[-1].strip()}") from None
 
 
 def load_optimizer(optimizer: Adam, saved: dict):
@@ -1593,12 +1554,7 @@ def load_optimizer(optimizer: Adam, saved: dict):
 
 
 def restore_learner(main: Main, state: dict):
-    try:
-        main.models.load_state_dict(grouped_weights(main.models, state["model"]))
-    except RuntimeError as error:
-        raise UsageError(f"the checkpoint's networks do not fit {main.config.env} with hidden "
-                         f"size {main.config.hidden_size}: "
-                         f"{str(error).splitlines()[-1].strip()}") from None
+    load_weights(main.models, state["model"], main.config)
     load_optimizer(main.trainer.optimizer, state["optimizer"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
@@ -1674,8 +1630,6 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
                              f"{saved.get(name)}, not {changed[name]}")
     return Config(**{**saved, **changed})
 
-# ----- Evaluation and video -----------------------------------------------------------------------
-
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
@@ -1689,11 +1643,7 @@ def evaluate_checkpoint(given: Config) -> dict:
                                               group.num_actions, config.central_value,
                                               config.hidden_size, group.continuous)
                             for group in spec.groups})
-    try:
-        models.load_state_dict(grouped_weights(models, checkpoint["model"]))
-    except RuntimeError as error:
-        raise UsageError(f"the checkpoint's networks do not fit {config.env}: "
-                         f"{str(error).splitlines()[-1].strip()}") from None
+    load_weights(models, checkpoint["model"], config)
     torch.manual_seed(config.seed)
     try:
         drawn = {"render_mode": "rgb_array"} if config.video else {}  # (only when asked for)
@@ -1723,25 +1673,24 @@ def evaluate_checkpoint(given: Config) -> dict:
         game.env.close()
         if video is not None:
             video.release()
+    def of(kind: str, group: Optional[str] = None) -> list:  # each episode's, or its group's
+        return [(episode["groups"][group] if group else episode)[kind] for episode in episodes]
+
     stats = lambda values: (float(np.mean(values)), float(np.std(values)))  # noqa: E731
-    mean, std = stats([episode["return"] for episode in episodes])
-    team_mean, team_std = stats([episode["team_return"] for episode in episodes])
-    how = "greedy" if config.greedy else "sampled"
-    count = f"{len(episodes)} episode{'s' * (len(episodes) != 1)}"
-    groups = {group.name: {f"{kind}{part}": value for kind in ("return", "team_return")
-                           for part, value in zip(("_mean", "_std"), stats(
-                               [episode["groups"][group.name][kind] for episode in episodes]))}
+    (mean, std), (team_mean, team_std) = stats(of("return")), stats(of("team_return"))
+    groups = {group.name: {f"{kind}_{part}": value for kind in ("return", "team_return")
+                           for part, value in zip(("mean", "std"), stats(of(kind, group.name)))}
               for group in spec.groups}
     each = "".join(f"; {name} {values['return_mean']:.2f} ± {values['return_std']:.2f} per agent"
                    for name, values in groups.items() if len(groups) > 1)
     print(f"eval {config.env}: return per agent {mean:.2f} ± {std:.2f}, per team "
-          f"{team_mean:.2f} ± {team_std:.2f}{each} over {count} ({how} actions)")
+          f"{team_mean:.2f} ± {team_std:.2f}{each} over {len(episodes)} episode"
+          f"{'s' * (len(episodes) != 1)} ({'greedy' if config.greedy else 'sampled'} actions)")
     if video is not None:
         print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(episodes), "mean_return": mean,
             "std_return": std, "mean_team_return": team_mean, "std_team_return": team_std,
-            "returns": [episode["return"] for episode in episodes],
-            "team_returns": [episode["team_return"] for episode in episodes], "groups": groups,
+            "returns": of("return"), "team_returns": of("team_return"), "groups": groups,
             "greedy": config.greedy, "video": str(path) if video is not None else None}
 
 
@@ -1749,8 +1698,7 @@ def write_frame(video, game: Game, path: Path):
     """Append the env's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
     import cv2  # only --video needs OpenCV
 
-    # pygame, which draws MPE2's envs, would open SDL's display and sound drivers and complain, on
-    # a machine without them, about XDG_RUNTIME_DIR: the picture needs neither.
+    # pygame (MPE2's drawing) needs neither SDL's display nor its sound, absent on a server.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     frame = game.env.render()
@@ -1767,7 +1715,7 @@ def write_frame(video, game: Game, path: Path):
     video.write(cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR))
     return video
 
-# ----- Checking the input -------------------------------------------------------------------------
+# ----- Checking the input; the command line -------------------------------------------------------
 
 
 RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
@@ -1791,10 +1739,9 @@ def refuse_what_will_not_fit(needed: int, what: str):
 
 
 def check_settings(config: Config, spec: Optional["EnvSpec"] = None):
-    """Refuse settings that cannot work, in one line that says what to change: a number outside
-    the range its Config field names, or not finite; flags that make no sense together; once the
-    env's groups are known, a group's batch (num_envs x its agents x num_steps) that does not split,
-    or a --target-group that is none of them."""
+    """Refuse in one line what cannot work: a number out of its range or not finite, flags that
+    make no sense together; with the env's groups, a batch that does not split, a --target-group
+    that is none of them, a rollout larger than the memory free."""
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
@@ -1825,11 +1772,17 @@ def check_settings(config: Config, spec: Optional["EnvSpec"] = None):
             raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot "
                              f"be normalised: raise --num-envs or --num-steps, or lower "
                              f"--num-minibatches")
+    if spec is not None:  # Peak RSS on simple_spread (8, 64, 512 envs; 25, 4,000 steps): 2 MB an
+        # env (MPE2 draws each on a 700 x 700 canvas), 510 bytes an agent step (a row of 75 floats).
+        # The rollout: a row, an action and 7 numbers an agent step; an update makes a copy more.
+        numbers = sum(len(group.slots) * (group.row_size + group.num_actions + 7)
+                      for group in spec.groups)  # of an env step
+        refuse_what_will_not_fit(config.num_envs * (2 ** 21 + 2 * 4 * config.num_steps * numbers),
+                                 "the envs and their rollout")
 
 
 def parse_groups(text: str) -> dict:
-    """--groups "adversary=predators,agent=prey" -> {"adversary": "predators", "agent": "prey"}:
-    agent name prefix -> group name."""
+    """--groups "adversary=predators,agent=prey" -> {name prefix: group}."""
     prefixes = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         prefix, equals, group = (part.strip() for part in item.partition("="))
@@ -1841,24 +1794,52 @@ def parse_groups(text: str) -> dict:
     return prefixes
 
 
-def parse_env_kwargs(text: str) -> dict:
-    """--env-kwargs "N=5,local_ratio=0.3" -> {"N": 5, "local_ratio": 0.3}: each value read as a
-    Python literal (numbers, True, None, ...), else kept as a string."""
-    pairs = {}
+def parse_env_kwargs(text: str, module=None) -> dict:
+    """--env-kwargs "N=5,local_ratio=0.3" -> {"N": 5, "local_ratio": 0.3}: true, false and none (in
+    any case) as True, False and None, numbers as numbers, else the text. Given the env's module, a
+    value unlike its option's default (in raw_env's or parallel_env's signature) is refused: a bool
+    takes true or false, an int a whole number, a float a number, a str any text."""
+    takes = {bool: ((bool,), "true or false"), int: ((int,), "a whole number"),
+             float: ((int, float), "a number")}
+    pairs, defaults = {}, {}
+    with contextlib.suppress(TypeError, ValueError):  # no module, or no signature to read
+        maker = getattr(module, "raw_env", getattr(module, "parallel_env", None))
+        options = inspect.signature(maker).parameters.values()
+        defaults = {option.name: option.default for option in options
+                    if option.default is not option.empty}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        key, equals, value = (part.strip() for part in item.partition("="))
+        key, equals, written = (part.strip() for part in item.partition("="))
         if not equals or not key.isidentifier():
             raise UsageError(f"--env-kwargs {text!r}: write name=value pairs separated by commas, "
                              f"e.g. N=5,local_ratio=0.3")
-        with contextlib.suppress(ValueError, SyntaxError):
-            value = ast.literal_eval(value)
+        value = {"true": True, "false": False, "none": None}.get(written.lower(), written)
+        if value is written and not isinstance(defaults.get(key), str):
+            with contextlib.suppress(ValueError, SyntaxError):
+                literal = ast.literal_eval(written)  # 5, 0.3, 1e-3, 'quoted text'
+                value = literal if type(literal) in (int, float, str) else written
+        allowed, kind = takes.get(type(defaults.get(key)), ((type(value),), ""))
+        if type(value) not in allowed:
+            raise UsageError(f"--env-kwargs {key}={written}: {key} takes {kind}, like its "
+                             f"default {defaults[key]!r}")
         pairs[key] = value
     return pairs
 
 
+def counts_agents(module, env_kwargs: dict) -> bool:
+    """Whether a whole number below 1 in env_kwargs counts the env's agents (at 2 the env has more
+    than at 1): an env that cannot be made with it was left without agents."""
+    below_one = {key: 1 for key, value in env_kwargs.items() if type(value) is int and value < 1}
+    for key in below_one:
+        with contextlib.suppress(Exception):
+            made = [module.parallel_env(**{**env_kwargs, **below_one, key: count})
+                    for count in (1, 2)]
+            if len(made[1].possible_agents) > len(made[0].possible_agents):
+                return True
+    return False
+
+
 def find_env_module(env_id: str):
-    """The module (or object) that `--env module.name` names: it must have `parallel_env()`, as
-    every PettingZoo env has (mpe2.simple_spread_v3, mpe2.simple_v3, ...)."""
+    """The module (or object) `--env module.name` names, with PettingZoo's parallel_env()."""
     parent, _, name = env_id.rpartition(".")
     if not parent:
         raise UsageError(f"--env {env_id!r}: name a PettingZoo parallel env by module and name, "
@@ -1882,19 +1863,23 @@ def find_env_module(env_id: str):
 
 
 def inspect_env(config: Config) -> EnvSpec:
-    """Check that the env exists, and group its agents (`assign_groups`, by --groups or by kind):
-    each group's agents must observe alike (vectors) and act alike (Discrete or Box)."""
-    env_id, env_kwargs = config.env, parse_env_kwargs(config.env_kwargs)
-    module, prefixes = find_env_module(env_id), parse_groups(config.groups)
+    """The env's groups (`describe_env`), once it is made: each group's agents must observe alike
+    (vectors) and act alike (Discrete or Box)."""
+    env_id, module = config.env, find_env_module(config.env)
+    env_kwargs, prefixes = parse_env_kwargs(config.env_kwargs, module), parse_groups(config.groups)
+    options = f" with --env-kwargs {config.env_kwargs}" if env_kwargs else ""
     try:
         env = module.parallel_env(**env_kwargs)
         env.reset(seed=0)
     except Exception as error:
-        options = f" with --env-kwargs {env_kwargs}" if env_kwargs else ""
+        if counts_agents(module, env_kwargs):
+            raise UsageError(f"{env_id}{options} has no agents") from None
         raise UsageError(f"cannot make {env_id}{options}: {type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''}") from None
     try:
         agents = list(env.possible_agents)
+        if not agents:
+            raise UsageError(f"{env_id}{options} has no agents")
         spaces = [(env.observation_space(agent), env.action_space(agent)) for agent in agents]
         try:
             groups = assign_groups(agents, [str(pair) for pair in spaces], prefixes)
@@ -1925,7 +1910,7 @@ def inspect_env(config: Config) -> EnvSpec:
 
 
 def check_spaces(env_id: str, obs_space, action_space):
-    """Refuse what no group's policy can play: observations other than vectors, actions other than
+    """Refuse what no policy here plays: observations other than vectors, actions other than
     Discrete or Box."""
     if not isinstance(action_space, (gym.spaces.Discrete, gym.spaces.Box)):
         raise UsageError(f"{env_id} has a {action_space} action space; this script handles "
@@ -1961,7 +1946,7 @@ RUN_FILES = ("checkpoint.pt", "summary.json", "events.out.tfevents.*", "eval.mp4
 
 
 def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
-    """The run dir, made and tested for writing. One that holds another run is refused, unless
+    """The run dir, made and tested for writing; one that holds another run is refused, unless
     --overwrite (which deletes that run's files first) or it is the folder being resumed."""
     default = f"runs/{config.env.replace('/', '-')}__{SCRIPT}__{config.seed}__{int(time.time())}"
     run_dir = Path(config.run_dir or default)
@@ -1982,8 +1967,6 @@ def make_run_dir(config: Config, checkpoint: Optional[dict]) -> Path:
         raise UsageError(f"cannot write to --run-dir {run_dir}: {error.strerror or error}"
                          ) from None
     return run_dir
-
-# ----- The command line ---------------------------------------------------------------------------
 
 
 def typed_fields(argv: list) -> set:
@@ -2019,6 +2002,7 @@ def command_line(argv=None) -> int:
 # A pasted notebook cell has no __file__: there, defining everything is all this file does.
 if __name__ == "__main__" and "__file__" in globals():
     status = command_line()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all is saved: a late Ctrl-C waits for the exit
     gc.collect()  # the run's cycles freed now (an engine's C++ threads stop with it), then
     gc.freeze()  # the collection at exit skips all objects left, torch's too: ~0.4 s sooner
     sys.exit(status)

@@ -117,21 +117,21 @@ class GridEnv(gym.Env):
 
 
 class FlawedEnv(gym.Env):
-    """An env that breaks its own declared spaces at its third step, as `flaw` says: "dtype" (a
-    float64 position), "shape", "key" (the Dict without "count"), "bounds" (count 5 of Discrete(3))
-    or "reward" (NaN); "start": a float64 position from reset() on (gymnasium's own checker warns
-    of it at once)."""
+    """An env that breaks its own declared spaces at its third step (or step `at` of an episode), as
+    `flaw` says: "dtype" (a float64 position), "shape", "key" (the Dict without "count"), "bounds"
+    (count 5 of Discrete(3)) or "reward" (NaN); "start": a float64 position from reset() on
+    (gymnasium's own checker warns of it at once)."""
 
     observation_space = spaces.Dict({"count": spaces.Discrete(3),
                                      "position": spaces.Box(-1, 1, (2,), np.float32)})
     action_space = spaces.Discrete(2)
 
-    def __init__(self, flaw: str):
-        self.flaw, self.t = flaw, 0
+    def __init__(self, flaw: str, at: int = 3):
+        self.flaw, self.at, self.t = flaw, at, 0
 
     def observation(self):
         obs = {"count": self.t % 3, "position": np.zeros(2, np.float32)}
-        if self.t >= 3 or self.flaw == "start":
+        if self.t >= self.at or self.flaw == "start":
             if self.flaw in ("dtype", "start"):
                 obs["position"] = np.zeros(2, np.float64)
             elif self.flaw == "shape":
@@ -151,6 +151,37 @@ class FlawedEnv(gym.Env):
         self.t += 1
         reward = float("nan") if self.flaw == "reward" and self.t >= 3 else 0.0
         return self.observation(), reward, False, False, {}
+
+
+class EmptyMaskEnv(gym.Env):
+    """A Discrete(3) action whose mask (in `info`, or with in_observation in the observation, as
+    PettingZoo's) allows every choice until step `at` of an episode, then none. It takes any
+    action: a run that trusted the mask would play on, sampling forbidden actions."""
+
+    action_space = spaces.Discrete(3)
+
+    def __init__(self, in_observation: bool, at: int = 150):
+        self.in_observation, self.at, self.t = in_observation, at, 0
+        position = spaces.Box(0, 1, (1,), np.float32)
+        self.observation_space = (spaces.Dict({"position": position,
+                                               "action_mask": spaces.MultiBinary(3)})
+                                  if in_observation else position)
+
+    def observation(self):
+        position, mask = np.zeros(1, np.float32), np.full(3, self.t < self.at, np.int8)
+        if self.in_observation:
+            return {"position": position, "action_mask": mask}, {}
+        return position, {"action_mask": mask}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observation()
+
+    def step(self, action):
+        self.t += 1
+        obs, info = self.observation()
+        return obs, 0.0, False, False, info
 
 
 class WrongMaskEnv(InfoMaskEnv):
@@ -174,3 +205,10 @@ gym.register("TestTextAction-v0", entry_point=TextActionEnv)
 for flaw in ("dtype", "shape", "key", "bounds", "reward", "start"):
     gym.register(f"TestFlawed{flaw.title()}-v0", entry_point=FlawedEnv, kwargs={"flaw": flaw},
                  max_episode_steps=20)
+# Envs that keep to their spaces for 149 steps, past the start-up check's 100, then break them.
+for flaw in ("shape", "key", "bounds"):
+    gym.register(f"TestLate{flaw.title()}-v0", entry_point=FlawedEnv,
+                 kwargs={"flaw": flaw, "at": 150})
+gym.register("TestEmptyMaskInInfo-v0", entry_point=EmptyMaskEnv, kwargs={"in_observation": False})
+gym.register("TestEmptyMaskInObservation-v0", entry_point=EmptyMaskEnv,
+             kwargs={"in_observation": True})

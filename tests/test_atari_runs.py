@@ -113,6 +113,29 @@ def test_bad_input_exits_2_with_one_line(args, message, tmp_path):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_the_memory_a_run_asks_for_counts_its_games_rollout_and_update(tmp_path, monkeypatch):
+    # Before anything is made, a run asks for what it will hold on the host: each game's emulator
+    # and, per step of each game, one stored picture and the update's activations (peak RSS, see
+    # RunGuard.setup: ~2 MB a game, 75-90 KB a step with 4 minibatches).
+    asked = []
+
+    def refuse(needed, what):
+        asked.append(needed)
+        raise pa.UsageError(f"{what} would take {needed}")
+
+    monkeypatch.setattr(pa, "refuse_what_will_not_fit", refuse)
+    for num_envs, num_steps in ((8, 128), (16, 128), (8, 256)):  # the default; twice its games, steps
+        config = pa.Config(num_envs=num_envs, num_steps=num_steps, total_timesteps=num_envs * num_steps,
+                           device="cpu", compile=False, run_dir=str(tmp_path / "run"))
+        with pytest.raises(pa.UsageError, match="^the games, the rollout and the update would"):
+            pa.Main(config).run()
+    assert not (tmp_path / "run").exists()
+    per_step = (asked[2] - asked[0]) / (8 * 128)
+    per_game = (asked[1] - asked[0]) / 8 - 128 * per_step
+    assert 70_000 <= per_step <= 100_000 and 1_000_000 <= per_game <= 3_000_000
+    assert asked[0] < 2 ** 30  # the default asks for about 100 MB
+
+
 def test_a_cartpole_checkpoint_is_refused(tmp_path):
     import ppo_cartpole as pc
 

@@ -586,6 +586,19 @@ def test_a_mujoco_robot_trains_evaluates_and_films_with_offscreen_drawing(tmp_pa
     assert "eval Hopper-v5: return" in filmed.stdout and (run_dir / "eval.mp4").stat().st_size > 0
 
 
+def test_a_mujoco_run_and_its_eval_leave_the_working_directory_clean(tmp_path):
+    # MuJoCo appends its warnings (gymnasium's HalfCheetah model holds a deprecated attribute) to
+    # MUJOCO_LOG.TXT in the working directory unless told where: the run dir, or nowhere.
+    script = [sys.executable, str(ROOT / "ppo_continuous.py")]
+    train = ["--env", "HalfCheetah-v5", "--num-envs", "2", "--num-steps", "16",
+             "--total-timesteps", "32", "--run-dir", "run"]
+    for args in (train, ["--eval", "run", "--eval-episodes", "1"]):
+        result = subprocess.run(script + args, cwd=tmp_path, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(tmp_path) == ["run"]
+
+
 def test_both_engines_play_16_games_of_64_steps_by_default(capsys):
     # The torch engine's own 64 x 16 reached -200 on 3 of seeds 1-5 (benchmarks/README.md).
     config = pc.parse_config(["--env-backend", "torch"])
@@ -594,8 +607,8 @@ def test_both_engines_play_16_games_of_64_steps_by_default(capsys):
         pc.parse_config(["--help"])
     assert exit.value.code == 0
     flat = " ".join(capsys.readouterr().out.split())
-    assert "(by each rank, under torchrun) (default: 16)" in flat
-    assert "rollout of num_envs * num_steps (default: 64)" in flat
+    assert "(by each rank, under torchrun) (valid: > 0) (default: 16)" in flat
+    assert "rollout of num_envs * num_steps (valid: > 0) (default: 64)" in flat
 
 
 def test_ctrl_c_saves_the_statistics_and_resume_continues(tmp_path):

@@ -433,6 +433,28 @@ def test_an_unknown_memory_is_refused_by_the_command_line(capsys):
     assert exit_status.value.code == 2 and "invalid choice: 'transformer'" in capsys.readouterr().err
 
 
+def test_the_memory_a_rollout_needs_is_estimated_for_its_kind(monkeypatch):
+    # What refuse_what_will_not_fit is asked (its refusal: tests/test_runs_that_hold.py), in bytes.
+    asked = []
+    monkeypatch.setattr(pm, "refuse_what_will_not_fit", lambda needed, what: asked.append(needed))
+
+    def needed(kind, **settings):
+        config = pm.with_kind_defaults(pm.Config(memory=kind, **settings))
+        pm.refuse_a_rollout_too_large(config, 2, 2)  # StatelessCartPole: 2 numbers, 2 actions
+        return asked[-1]
+
+    defaults = {kind: needed(kind) for kind in KINDS}
+    assert max(defaults.values()) < 2 ** 27  # 128 MiB: an ordinary setting is never refused
+    assert defaults["none"] < defaults["lstm"] <= defaults["gru"] < defaults["attention"]
+    assert needed("attention", attention_span=32) > defaults["attention"]  # windows of the span
+    assert needed("lstm", num_envs=128) == 2 * needed("lstm", num_envs=64)
+    # The calibration: 1024 games of 128 steps took 0.5 GiB more than 64 games (lstm), 2.1 more
+    # (attention).
+    for kind, measured in (("lstm", 0.52), ("attention", 2.14)):
+        more = needed(kind, num_envs=1024, num_steps=128) - needed(kind, num_envs=64, num_steps=128)
+        assert 0.8 < more / 2 ** 30 / measured < 1.25, kind
+
+
 # ----- learning, and the same numbers twice ----------------------------------------------------------
 
 # A step budget per kind, and a 100-episode mean (seed 1, the kind's defaults) that a random policy

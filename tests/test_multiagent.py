@@ -3,13 +3,14 @@ and the global-state value input, on a small env of tests/multiagent_envs.py who
 different times; policy groups (by kind, by --groups, each group's loss its own), the Gaussian head
 of Box actions and a mixed discrete/continuous env; then runs through the API and the command line:
 checkpoint, --resume, --eval and --video (with one group and with several), torchrun, bad input,
-Ctrl-C, reproducibility, and learning on MPE2 envs."""
+Ctrl-C, SIGKILL, reproducibility, and learning on MPE2 envs."""
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -295,10 +296,44 @@ def test_mixed_box_and_discrete_groups_learn_and_box_actions_arrive_clipped(tmp_
     assert groups["pointer"]["mean_return_100"] >= -3.0
 
 
-def test_env_kwargs_are_read_as_python_values():
-    assert pm.parse_env_kwargs("N=5, local_ratio=0.3,name=abc,flag=True") == {
-        "N": 5, "local_ratio": 0.3, "name": "abc", "flag": True}
+def test_env_kwargs_are_read_strictly():
+    assert pm.parse_env_kwargs("N=5, local_ratio=0.3,name=abc,flag=TRUE,off=false,none=None") == {
+        "N": 5, "local_ratio": 0.3, "name": "abc", "flag": True, "off": False, "none": None}
     assert pm.parse_env_kwargs("") == {}
+    # true and false in any case are booleans: the env's own bool, not a string that is truthy.
+    for written, continuous in [("true", True), ("True", True), ("FALSE", False)]:
+        config = pm.Config(env=SPREAD, env_kwargs=f"continuous_actions={written}")
+        assert pm.inspect_env(config).groups[0].continuous is continuous
+
+
+@pytest.mark.parametrize("env,kwargs,message", [
+    (SPREAD, "continuous_actions=maybe", "--env-kwargs continuous_actions=maybe: "
+                                         "continuous_actions takes true or false, like its "
+                                         "default False"),
+    (SPREAD, "continuous_actions=1", "continuous_actions takes true or false"),
+    (SPREAD, "N=2.5", "--env-kwargs N=2.5: N takes a whole number, like its default 3"),
+    (SPREAD, "N=true", "--env-kwargs N=true: N takes a whole number"),
+    (SPREAD, "local_ratio=much", "--env-kwargs local_ratio=much: local_ratio takes a number"),
+    (SPREAD, "N=0", "mpe2.simple_spread_v3 with --env-kwargs N=0 has no agents"),
+    (SPREAD, "N=-2", "mpe2.simple_spread_v3 with --env-kwargs N=-2 has no agents"),
+    ("mpe2.simple_tag_v3", "num_good=0,num_adversaries=0", "mpe2.simple_tag_v3 with --env-kwargs "
+                                                           "num_good=0,num_adversaries=0 has no "
+                                                           "agents"),
+])
+def test_env_kwargs_of_another_kind_or_without_agents_exit_2_with_one_line(env, kwargs, message,
+                                                                           tmp_path, capsys):
+    # (A short run, should one start: before the fix continuous_actions=maybe trained.)
+    assert pm.command_line(["--env", env, "--env-kwargs", kwargs, "--total-timesteps", "1",
+                            "--num-workers", "0", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_counts_the_env_may_take_at_0_are_not_refused(tmp_path):
+    summary = pm.Main(pm.Config(env="mpe2.simple_tag_v3", env_kwargs="num_obstacles=0,num_good=0",
+                                **SMALL, total_timesteps=1, run_dir=str(tmp_path))).run()
+    assert summary["num_agents"] == 3  # the adversaries alone
 
 
 def test_the_return_statistics_merge_by_chans_formula_and_scale_the_value():
@@ -582,6 +617,32 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path):
     # over the steps left (it never jumps up); the last update started at new_total - BATCH.
     lr = checkpoint_of(run_dir)["optimizer"]["param_groups"][0]["lr"]
     assert lr == pytest.approx(rate_before * (1 - (new_total - BATCH - stopped_at) / (2 * BATCH)))
+
+
+def test_a_killed_trainer_leaves_no_worker_and_no_shared_memory(tmp_path):
+    """SIGKILL runs no clean-up: the workers must exit by themselves, and the rows' shared memory
+    must have no name left in /dev/shm, so that the kernel frees it with the last mapping."""
+    process = subprocess.Popen(
+        [sys.executable, "ppo_multiagent.py", "--num-envs", "8", "--num-workers", "2",
+         "--total-timesteps", str(10 ** 8), "--run-dir", str(tmp_path / "run")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENVIRON)
+    try:
+        for line in process.stdout:  # training: the workers play, the rows are in shared memory
+            if line.startswith("step "):
+                break
+        workers = children(process.pid)
+        mapped = {line.split(maxsplit=5)[5] for pid in [process.pid, *workers]
+                  for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                  if "/dev/shm/" in line}
+    finally:
+        process.kill()
+        process.communicate()
+    assert workers and mapped, (workers, mapped)
+    assert wait_until_gone(workers)
+    # Unlinked as soon as made (torch's file-descriptor sharing): no name outlives the trainer.
+    names = {name.removesuffix(" (deleted)") for name in mapped}
+    assert all(name.endswith(" (deleted)") for name in mapped), mapped
+    assert not any(os.path.exists(name) for name in names), names
 
 
 # ----- learning ----------------------------------------------------------------------------------

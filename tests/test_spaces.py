@@ -461,6 +461,52 @@ def test_ctrl_c_in_worker_processes_saves_a_checkpoint_and_the_summary(tmp_path)
     assert summary["interrupted"] is True and summary["steps"] == checkpoint["global_step"] > 0
 
 
+# ----- an env that breaks its spaces after the start-up check's 100 steps ---------------------------
+
+# 4 games of 32 steps a rollout: each game's 150th step, the run's 600th, falls in the 5th rollout.
+LATE = [*SMALL, "--total-timesteps", 1024, "--checkpoint-every", 128, "--no-anneal-lr"]
+
+
+@pytest.mark.parametrize("env_id,workers,problem", [
+    ("TestLateShape-v0", 0, "the observation['position'] has shape (3,), not (2,)"),
+    ("TestLateKey-v0", 2, "the observation has the keys ['position'], not the keys ['count', 'position']"),
+    ("TestLateBounds-v0", 0, "the observation['count'] = 5 is outside Discrete(3)"),
+    ("TestEmptyMaskInInfo-v0", 0, "its action mask forbids all 3 choices of action"),
+    ("TestEmptyMaskInObservation-v0", 2, "its action mask forbids all 3 choices of action"),
+])
+def test_an_env_that_breaks_its_spaces_later_stops_the_run_in_one_line_keeping_the_checkpoint(
+        tmp_path, env_id, workers, problem):
+    result = run_script("--env", f"spaces_envs:{env_id}", *LATE, "--num-workers", workers,
+                        "--run-dir", tmp_path / "run")
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and len(lines) == 1, (result.returncode, lines[-20:])
+    assert lines[0] == (f"error: spaces_envs:{env_id} broke its spaces in env 0 at step 600 of the run "
+                        f"(step 150 of its episode): {problem}; the checkpoint of the last finished "
+                        f"update is kept")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert summary["steps"] == checkpoint["global_step"] == 512 and checkpoint["updates"] == 4
+
+
+def test_the_checkpoint_kept_is_the_last_finished_update_s_and_resumes(tmp_path):
+    broken = run_script("--env", "spaces_envs:TestLateKey-v0", *LATE, "--run-dir", tmp_path / "broken")
+    assert broken.returncode == 1, broken.stderr[-3000:]
+    whole = run_script("--env", "spaces_envs:TestLateKey-v0", *LATE, "--total-timesteps", 512,
+                       "--run-dir", tmp_path / "whole")  # 4 updates, 149 steps a game: no break
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    kept, stopped = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=True) for name in ("broken", "whole"))
+    assert all(torch.equal(kept["model"][key], value) for key, value in stopped["model"].items())
+    for mine, theirs in zip(kept["optimizer"]["state"].values(), stopped["optimizer"]["state"].values()):
+        assert all(torch.equal(mine[key], theirs[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
+    assert torch.equal(kept["rng"]["torch"], stopped["rng"]["torch"])
+    # Resumed, its games start afresh: they break at their 150th step again, the run's 512 + 600th.
+    resumed = run_script("--resume", tmp_path / "broken", "--total-timesteps", 2048, "--device", "cpu")
+    assert resumed.returncode == 1 and resumed.stderr.splitlines() == [
+        "error: spaces_envs:TestLateKey-v0 broke its spaces in env 0 at step 1,112 of the run (step 150 of "
+        "its episode): the observation has the keys ['position'], not the keys ['count', 'position']; the "
+        "checkpoint of the last finished update is kept"], resumed.stderr[-3000:]
+
+
 def test_no_check_env_skips_the_check(tmp_path):
     config = small_config(tmp_path, env="TestFlawedDtype-v0", check_env=False)
     assert ps.Main(config).run()["steps"] == 128  # float64 numbers fit the float32 observation
