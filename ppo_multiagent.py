@@ -1990,7 +1990,7 @@ def command_line(argv=None) -> int:
     except FAILURES as error:
         print(f"error: {error}; the checkpoint of the last finished update is kept",
               file=sys.stderr)
-        return 1
+        return getattr(error, "exit_status", 1)  # 2 where the env itself was bad input
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or one before the run began
         print("error: stopped at once; the checkpoint of the last finished update is kept",
               file=sys.stderr)

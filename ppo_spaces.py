@@ -861,8 +861,9 @@ class GuardedWorker(Worker):
             pass  # the trainer is gone or stopping: just exit
         except Exception as error:  # (a WorkerError of StepCheck's names all already)
             failed = f"worker {self.index} ({env_id}) failed: {type(error).__name__}: {error}"
-            with contextlib.suppress(OSError):
-                conn.send(("error", str(error) if isinstance(error, WorkerError) else failed))
+            with contextlib.suppress(OSError):  # ("broken": the env left its spaces)
+                conn.send(("broken", str(error)) if isinstance(error, EnvLeftItsSpaces)
+                          else ("error", str(error) if isinstance(error, WorkerError) else failed))
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
@@ -878,8 +879,8 @@ class GuardedWorker(Worker):
         if self.trainer_end in ready:
             with contextlib.suppress(EOFError, OSError):  # (a child that died: how, below)
                 status, payload = self.trainer_end.recv()
-                if status == "error":  # (the child's line, whole)
-                    raise WorkerError(payload)
+                if status in ("error", "broken"):  # (the child's line, whole)
+                    raise (EnvLeftItsSpaces if status == "broken" else WorkerError)(payload)
                 return payload
         self.process.join(timeout=1.0)
         code = self.process.exitcode
@@ -990,8 +991,8 @@ class StepCheck:
         game, env = worker.games[row], worker.index * len(worker.games) + row  # (of this rank)
         step = self.first_step + worker.steps * self.steps_per_step
         when = f"step {game.episode_length} of its episode" if game.episode_length else "reset()"
-        raise WorkerError(f"{self.config.env} broke its spaces in env {env} at step {step:,} of "
-                          f"the run ({when}): {problem}") from None
+        raise EnvLeftItsSpaces(f"{self.config.env} broke its spaces in env {env} at step "
+                               f"{step:,} of the run ({when}): {problem}") from None
 
 
 class WorkerPool:
@@ -1217,6 +1218,12 @@ class UsageError(ValueError):
 
 class WorkerError(RuntimeError):
     """A worker process died or one of its Games raised: the run stops with this message."""
+
+
+class EnvLeftItsSpaces(WorkerError):
+    """The env left its spaces during the run (StepCheck): bad input, as a refused flag is (exit 2),
+    though found late; the run stops as after a worker's failure, its last finished update saved."""
+    exit_status = 2
 
 
 class Interrupted(Exception):
@@ -2040,7 +2047,7 @@ def command_line(argv=None) -> int:
     except FAILURES as error:
         print(f"error: {error}; the checkpoint of the last finished update is kept",
               file=sys.stderr)
-        return 1
+        return getattr(error, "exit_status", 1)  # 2 where the env itself was bad input
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or one before the run began
         print("error: stopped at once; the checkpoint of the last finished update is kept",
               file=sys.stderr)

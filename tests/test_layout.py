@@ -21,7 +21,7 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 LESSON_LINES = {"ppo_atari.py": 610, "ppo_cartpole.py": 594, "ppo_continuous.py": 629,
                 "ppo_memory.py": 888, "ppo_multiagent.py": 845, "ppo_spaces.py": 809}
 FILE_LINES = {"ppo_atari.py": 1641, "ppo_cartpole.py": 1682, "ppo_continuous.py": 2077,
-              "ppo_memory.py": 1929, "ppo_multiagent.py": 2008, "ppo_spaces.py": 2058}
+              "ppo_memory.py": 1929, "ppo_multiagent.py": 2008, "ppo_spaces.py": 2065}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 2
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",

@@ -479,7 +479,7 @@ def test_an_env_that_breaks_its_spaces_later_stops_the_run_in_one_line_keeping_t
     result = run_script("--env", f"spaces_envs:{env_id}", *LATE, "--num-workers", workers,
                         "--run-dir", tmp_path / "run")
     lines = result.stderr.splitlines()
-    assert result.returncode == 1 and len(lines) == 1, (result.returncode, lines[-20:])
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, lines[-20:])
     assert lines[0] == (f"error: spaces_envs:{env_id} broke its spaces in env 0 at step 600 of the run "
                         f"(step 150 of its episode): {problem}; the checkpoint of the last finished "
                         f"update is kept")
@@ -490,7 +490,7 @@ def test_an_env_that_breaks_its_spaces_later_stops_the_run_in_one_line_keeping_t
 
 def test_the_checkpoint_kept_is_the_last_finished_update_s_and_resumes(tmp_path):
     broken = run_script("--env", "spaces_envs:TestLateKey-v0", *LATE, "--run-dir", tmp_path / "broken")
-    assert broken.returncode == 1, broken.stderr[-3000:]
+    assert broken.returncode == 2, broken.stderr[-3000:]
     whole = run_script("--env", "spaces_envs:TestLateKey-v0", *LATE, "--total-timesteps", 512,
                        "--run-dir", tmp_path / "whole")  # 4 updates, 149 steps a game: no break
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -501,7 +501,7 @@ def test_the_checkpoint_kept_is_the_last_finished_update_s_and_resumes(tmp_path)
     assert torch.equal(kept["rng"]["torch"], stopped["rng"]["torch"])
     # Resumed, its games start afresh: they break at their 150th step again, the run's 512 + 600th.
     resumed = run_script("--resume", tmp_path / "broken", "--total-timesteps", 2048, "--device", "cpu")
-    assert resumed.returncode == 1 and resumed.stderr.splitlines() == [
+    assert resumed.returncode == 2 and resumed.stderr.splitlines() == [
         "error: spaces_envs:TestLateKey-v0 broke its spaces in env 0 at step 1,112 of the run (step 150 of "
         "its episode): the observation has the keys ['position'], not the keys ['count', 'position']; the "
         "checkpoint of the last finished update is kept"], resumed.stderr[-3000:]
