@@ -50,8 +50,6 @@ def no_traceback_of_ours(stderr, script="ppo_cartpole.py"):
     return f'{script}", line' not in stderr
 
 
-
-
 def ranks_of(torchrun_pid):
     """{rank: pid} of the processes torchrun started, from the RANK in their environment."""
     ranks = {}
@@ -65,10 +63,6 @@ def everything_below(torchrun_pid):
     """The ranks and their children (the workers, and multiprocessing's resource tracker)."""
     ranks = list(ranks_of(torchrun_pid).values())
     return ranks + [child for rank in ranks for child in children(rank)]
-
-
-
-
 
 
 @pytest.fixture

@@ -52,8 +52,6 @@ def start_script(script, run_dir, *args):
     return process
 
 
-
-
 def learning_rate_of(checkpoint):
     """The learning rate of the last update before a checkpoint (hand-written Adam, or torch.optim's)."""
     optimizer = checkpoint["optimizer"]
@@ -65,10 +63,6 @@ def workers_of(pid):
     that shared memory starts, which exits by itself with the trainer)."""
     return [child for child in children(pid)
             if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()]
-
-
-
-
 
 
 def shared_memory_segments():
