@@ -386,6 +386,8 @@ class Adam:
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
         for w, state in zip(self.parameters, self.state.values()):
             g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
+            if g is None:  # a weight the loss did not use: left as it is (so does torch's Adam)
+                continue
             state["step"] += 1
             t = state["step"].item()
             m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)
@@ -893,7 +895,7 @@ LESSON_DIGEST = {
     "compute_gae": "0cb59dcfab7777082d002fe6cb760f1a231692919658a3624b92268f00ce658e",
     "Minibatch": "2fc4fe679e94f546176bbfcba44007c3552a04ee17a599c7a03cf7b9d9f7e7c1",
     "Rollout": "9a82272357fc03681bfc3176f384f870130eed36a7508062eee8abcff747e4c4",
-    "Adam": "c2d00a45db377f145a6fd99be6bc4ec12523fe30859232a05c438d241d580c07",
+    "Adam": "be3de312ba975bd43c1942c8348c9380ae5e1d637b17013fbb02984dc3953893",
     "Trainer": "f25c298513f65c6832d5dae8a44dd5607a9b56770dc2393ac2c012de7535c6eb",
     "Main.collect_rollout": "ceb4cbf89e515cd2d465ee7e9c1577b11c5318496912ca0ff7f431e05c58a3dd",
     "Main.estimate_advantages": "bd68302ee5f265729cae81a4b9e20da6576f948f9822d6b3da2dd39188b28245",

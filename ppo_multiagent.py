@@ -521,6 +521,8 @@ class Adam:
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
         for w, state in zip(self.parameters, self.state.values()):
             g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
+            if g is None:  # a weight the loss did not use: left as it is (so does torch's Adam)
+                continue
             state["step"] += 1
             t = state["step"].item()
             m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)

@@ -78,3 +78,15 @@ def test_adam_resumes_a_checkpoint_of_torch_optim_adam(script):
     assert resumed_optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * (1 - 9 / 100))
     train(resumed, resumed_optimizer, 10, first=10)
     assert_same(resumed, resumed_optimizer, straight, straight_optimizer)
+
+
+def test_a_weight_without_a_gradient_is_left_as_torch_optim_adam_leaves_it(script):
+    mine, theirs = network(), network()
+    unused_mine, unused_theirs = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    my_adam = script.Adam([*mine.parameters(), unused_mine], lr=3e-3, eps=1e-5)
+    torch_adam = torch.optim.Adam([*theirs.parameters(), unused_theirs], lr=3e-3, eps=1e-5)
+    train(mine, my_adam, 5)
+    train(theirs, torch_adam, 5)
+    assert torch.equal(unused_mine, torch.ones(3)) and my_adam.state[4]["step"] == 0
+    for a, b in zip(mine.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
