@@ -84,7 +84,7 @@ import re
 import sys
 import time
 
-from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready,
+from harness import (REPO_ROOT, WINDOW, Learning, check_learning_arguments, check_ready, keep_run,
                      learning_arguments, learning_report, linear_schedule, run_learning,
                      run_ours_logged, run_sb3_logged, sb3_learn_and_record)
 
@@ -227,6 +227,9 @@ def main():
     if args.sb3_child:
         seed, out_file = args.sb3_child
         sb3_child(int(seed), out_file, args.env, args.steps)
+        return
+    if args.keep_run:
+        keep_run(BENCH, args)
         return
     if args.plot_only:
         learning_report(BENCH, args)

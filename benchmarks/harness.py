@@ -20,7 +20,9 @@ describing the machine.
   starts an SB3 child that ends with `sb3_learn_and_record`) and keeps each run's CSV log and its
   record in runs.json; `learning_report` makes the table (`learning_table`) and the plot
   (`learning_plot`: the mean of the last 100 episodes on a step grid, `curve`, as the mean and the
-  min–max over seeds, and the random policy's mean ± standard error) from the kept logs only.
+  min–max over seeds, and the random policy's mean ± standard error) from the kept logs only;
+  `keep_run` keeps a run of ours made by hand (`--keep-run`: one too long for a sitting, resumed
+  across days) as if the benchmark had run it.
 
 Only the ppo_*.py scripts are single files; the benchmarks import this module with
 `from harness import ...`, which works because `python benchmarks/x.py` puts `benchmarks/` first on
@@ -290,6 +292,9 @@ def learning_arguments(parser, bench, steps, timeout, plot_every, plot_help):
                         help="steps between curve points")
     parser.add_argument("--plot-only", action="store_true",
                         help="run nothing: the table and the plot from the kept logs")
+    parser.add_argument("--keep-run", nargs=3, metavar=("VARIANT", "SEED", "RUN_DIR"),
+                        help="run nothing: keep a finished run of ours made by hand (one too long "
+                        "for a sitting, resumed across days) as VARIANT's seed SEED")
     parser.add_argument("--_sb3-child", nargs=2, metavar=("SEED", "OUTFILE"), dest="sb3_child",
                         help=argparse.SUPPRESS)
 
@@ -577,6 +582,30 @@ def first_reaching(episodes, target):
         if len(recent) == WINDOW and statistics.fmean(recent) >= target:
             return step
     return None
+
+
+def keep_run(bench, args):
+    """--keep-run VARIANT SEED RUN_DIR: a run of ours made by hand, kept as if this benchmark had
+    run it: its episodes from the run dir's TensorBoard events, its record from its summary.json
+    and its checkpoint's settings (the budget)."""
+    import torch
+
+    variant, seed, run_dir = args.keep_run[0], int(args.keep_run[1]), Path(args.keep_run[2])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = torch.load(run_dir / "checkpoint.pt", weights_only=True)["config"]
+    episodes, info, key = read_episodes(run_dir), machine(bench.packages), f"{variant}_seed{seed}"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(args.results_dir / f"{key}.csv", ["step", "return", "length"], episodes)
+    save_run(args.results_dir, key, {
+        "variant": variant, "seed": seed, "budget": config["total_timesteps"],
+        "env": summary["env"], "machine_line": machine_line(info, bench.packages),
+        "machine": info, "command": f"made by hand in {run_dir}, kept with --keep-run",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        f"{bench.unit}s": len(episodes), "steps": summary["steps"],
+        "wall_seconds": summary["seconds"], "steps_per_second": summary["steps_per_second"],
+        "status": "interrupted" if summary["interrupted"] else "ok", "exit_status": 0})
+    print(f"kept {key}: {len(episodes)} {bench.unit}s, {summary['steps']:,} steps, "
+          f"{summary['seconds'] / 3600:.2f} h")
 
 
 def load_report(bench, args):
