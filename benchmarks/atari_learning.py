@@ -75,6 +75,8 @@ How to run it (from the repository root)
     python benchmarks/atari_learning.py                      # all four, seeds 1 2 3, 200k steps
     python benchmarks/atari_learning.py --variants sb3       # SB3 again; the others' logs are kept
     python benchmarks/atari_learning.py --plot-only          # table and plot from the kept logs
+    python benchmarks/atari_learning.py --env PongNoFrameskip-v4 --results-dir \
+        benchmarks/results/atari_pong --plot-only --variants ale-vector random --targets 18 20
     python benchmarks/atari_learning.py --steps 8192 --seeds 1 2 --random-games 5 \
         --plot-every 1024 --results-dir /tmp/atari_learning_test   # a quick check of the benchmark
 """
@@ -213,6 +215,9 @@ def parse_args():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--env", default=DEFAULT_ENV, help="Atari game id")
+    parser.add_argument("--targets", type=float, nargs="+", default=None,
+                        help="scores whose first reaching (the mean of the last 100 games) the "
+                        "table reports per seed, e.g. 18 20 for Pong")
     learning_arguments(parser, BENCH, steps=200_000, timeout=7200.0, plot_every=5000,
                        plot_help="the PNG (default: benchmarks/plots/atari_<game>_learning.png "
                        "for the default results dir, else inside the results dir)")

@@ -650,7 +650,9 @@ def learning_table(bench, args, runs, trained, random_returns, budgets, notes):
                   for s, (_, episodes) in seeds.items()} for v, seeds in trained.items()}
     means = {v: mean_std([x for x in f.values() if x is not None]) for v, f in finals.items()}
     sb3 = means.get("sb3", (None, None))[0]
-    target, unit = bench.target, bench.unit
+    unit = bench.unit
+    # The returns whose first reaching is reported: the benchmark's target, or --targets.
+    targets = getattr(args, "targets", None) or ([bench.target] if bench.target is not None else [])
 
     def ratio(mean):
         return fmt(mean / sb3 if mean is not None and sb3 else None, ".2f")
@@ -658,25 +660,24 @@ def learning_table(bench, args, runs, trained, random_returns, budgets, notes):
     def per_seed(heading=""):
         return "".join(f" {heading if i == 0 else ''}seed {s} |" for i, s in enumerate(args.seeds))
 
-    target_columns = ""
-    if target is not None:  # then the headings say which seed columns are which
-        target_columns = per_seed(f"first step at ≥ {target:g}: ") + " mean ± std |"
+    # With targets, the headings say which seed columns are which.
+    target_columns = "".join(per_seed(f"first step at ≥ {target:g}: ") + " mean ± std |"
+                             for target in targets)
     seed_columns = per_seed(f"{bench.score} at end: " if target_columns else "")
     lines = [f"| variant |{seed_columns} mean ± std over seeds | ratio to SB3 |{target_columns} "
              f"{unit}s per seed | steps/s |",
-             "| --- |" + " ---: |" * (len(args.seeds) + 4 + bool(target_columns)
-                                     * (len(args.seeds) + 1))]
+             "| --- |" + " ---: |" * (len(args.seeds) + 4 + len(targets) * (len(args.seeds) + 1))]
     for variant, seeds in trained.items():
         cells = "".join(f" {fmt(finals[variant].get(s), '.2f')} |" for s in args.seeds)
         mean, std = means[variant]
         target_cells = ""
-        if target is not None:
+        for target in targets:
             reached = {s: first_reaching(episodes, target) for s, (_, episodes) in seeds.items()}
             steps = [x for x in reached.values() if x is not None]
             step_mean, step_std = mean_std(steps)
             share = f" ({len(steps)}/{len(seeds)} seeds)" if len(steps) < len(seeds) else ""
-            target_cells = ("".join(f" {fmt(reached.get(s), ',')} |" for s in args.seeds)
-                            + f" {fmt(step_mean, ',.0f')} ± {fmt(step_std, ',.0f')}{share} |")
+            target_cells += ("".join(f" {fmt(reached.get(s), ',')} |" for s in args.seeds)
+                             + f" {fmt(step_mean, ',.0f')} ± {fmt(step_std, ',.0f')}{share} |")
         episodes = " / ".join(str(len(seeds[s][1])) if s in seeds else "–" for s in args.seeds)
         speeds = [r["steps_per_second"] for r, _ in seeds.values() if r.get("steps_per_second")]
         speed = statistics.fmean(speeds) if speeds else None
@@ -686,7 +687,7 @@ def learning_table(bench, args, runs, trained, random_returns, budgets, notes):
     if random_returns:
         mean, std = mean_std(random_returns)
         error = std / math.sqrt(len(random_returns))
-        never = " – |" * (len(args.seeds) + 1) if target_columns else ""
+        never = " – |" * (len(args.seeds) + 1) * len(targets)
         lines.append(f"| {bench.labels['random']} |" + " – |" * len(args.seeds)
                      + f" {mean:.2f} ± {std:.2f} (std over {len(random_returns)} {unit}s; "
                        f"standard error {error:.2f}) | {ratio(mean)} |{never} – | – |")
