@@ -58,6 +58,9 @@ class Config:
     # Collecting experience.
     env: str = option("Pendulum-v1", "gymnasium id: Box observations, Box (continuous) actions")
     env_backend: str = option("game", "game: the lesson's Game | torch: Pendulum-v1 in tensors")
+    physics: str = option("", "the torch Pendulum's g (gravity), m, l (mass, length), max_speed, "
+                          "max_torque, dt, e.g. g=6:14,m=1.2: a range is drawn per game at each "
+                          "reset; '': gymnasium's", "g >= 0, the rest > 0, max_torque <= 2")
     num_envs: int = option(16, "games played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
     num_steps: int = option(64, "steps per game in a rollout of num_envs * num_steps", "> 0")
@@ -778,38 +781,66 @@ class WorkerPool:
 
 class TorchPendulum:
     """gymnasium's Pendulum-v1 in torch (`--env-backend torch`): all games' states (angle, speed)
-    in one tensor on the device, restarted in the same step: gymnasium's game (tests/ compare)."""
+    in one tensor on the device, restarted in the same step: gymnasium's game (tests/ compare).
+    Each game has its own physics, as in TorchRL's Pendulum: gravity g, the rod's mass m and
+    length l, its max_speed, the motor's max_torque and the time step dt, each a tensor [num_envs].
+    `physics` ({name: (low, high)}, from --physics) sets them: a range is drawn per game,
+    uniformly, at each of its resets, from the engine's seeded generator; a value stays fixed, and
+    a name left out keeps gymnasium's value (PHYSICS)."""
 
-    MAX_SPEED, MAX_TORQUE, DT, G, M, L = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
+    PHYSICS = {"g": 10.0, "m": 1.0, "l": 1.0, "max_speed": 8.0, "max_torque": 2.0, "dt": 0.05}
     MAX_EPISODE_STEPS = 200
     engine = ("the torch Pendulum (Pendulum-v1 in tensors, the same game as Game: "
               "tests/test_continuous.py); --env-backend game plays the lesson's Game")
-    REWARD_RANGE = (-(math.pi ** 2 + 0.1 * 8.0 ** 2 + 0.001 * 2.0 ** 2), 0.0)  # worst: pi, 8, 2
 
-    def __init__(self, num_envs: int, seed: int, device: torch.device):
+    def __init__(self, num_envs: int, seed: int, device: torch.device,
+                 physics: Optional[dict] = None):
         self.device, self.generator = device, torch.Generator(device=device).manual_seed(seed)
+        self.physics = {**{name: (value, value) for name, value in self.PHYSICS.items()},
+                        **(physics or {})}
         self.state = self.random_states(num_envs)
+        for name, (low, _) in self.physics.items():  # (the ranges: drawn just below)
+            setattr(self, name, torch.full((num_envs,), low, dtype=torch.float64, device=device))
+        self.ranges = [name for name, (low, high) in self.physics.items() if low < high]
+        self.restart_physics(torch.ones(num_envs, dtype=torch.bool, device=device))
         self.steps = torch.zeros(num_envs, dtype=torch.int64, device=device)
         self.episode_returns = torch.zeros(num_envs, dtype=torch.float64, device=device)
+        # The bounds its games can reach (gymnasium's declared ones, with gymnasium's physics).
+        top_speed, top_torque = self.physics["max_speed"][1], self.physics["max_torque"][1]
+        high = np.array([1.0, 1.0, top_speed], dtype=np.float32)
+        self.observation_space = gym.spaces.Box(-high, high, dtype=np.float32)
+        self.reward_range = (-(math.pi ** 2 + 0.1 * top_speed ** 2 + 0.001 * top_torque ** 2), 0.0)
 
     def random_states(self, n: int) -> torch.Tensor:
         """Starting states, float64 like gymnasium's: th ~ U(-pi, pi), thdot ~ U(-1, 1)."""
         u = torch.rand(n, 2, generator=self.generator, dtype=torch.float64, device=self.device)
         return (2 * u - 1) * u.new_tensor([math.pi, 1.0])
 
+    def restart_physics(self, restarted: torch.Tensor):
+        """Each range drawn anew for the games `restarted` (a mask); then the step's two gains."""
+        for name in self.ranges:  # (fixed values draw nothing: the generator's stream is kept)
+            low, high = self.physics[name]
+            u = torch.rand(len(restarted), generator=self.generator, dtype=torch.float64,
+                           device=self.device)
+            setattr(self, name, torch.where(restarted, low + (high - low) * u, getattr(self, name)))
+        # A rod of mass m and length l turns about one end (moment of inertia m l^2 / 3), pulled
+        # by gravity at its middle and turned by the torque u: theta'' = (m g l / 2 sin(theta) +
+        # u) / (m l^2 / 3) = 3 g / (2 l) sin(theta) + 3 / (m l^2) u, in gymnasium's order.
+        self.gravity_gain = 3 * self.g / (2 * self.l)
+        self.torque_gain = 3.0 / (self.m * self.l ** 2)
+
     def observations(self) -> torch.Tensor:
         theta, theta_dot = self.state.unbind(1)
         return torch.stack([theta.cos(), theta.sin(), theta_dot], dim=1).to(torch.float32)
 
     def step(self, actions: torch.Tensor) -> StepResult:
-        torque = actions[:, 0].to(torch.float64).clamp(-self.MAX_TORQUE, self.MAX_TORQUE)
+        torque = actions[:, 0].to(torch.float64).clamp(-self.max_torque, self.max_torque)
         theta, theta_dot = self.state.unbind(1)
         normalised_angle = (theta + math.pi) % (2 * math.pi) - math.pi
         rewards = -(normalised_angle ** 2 + 0.1 * theta_dot ** 2 + 0.001 * torque ** 2)
-        acceleration = (3 * self.G / (2 * self.L) * theta.sin()
-                        + 3.0 / (self.M * self.L ** 2) * torque)
-        theta_dot = (theta_dot + acceleration * self.DT).clamp(-self.MAX_SPEED, self.MAX_SPEED)
-        self.state = torch.stack([theta + theta_dot * self.DT, theta_dot], dim=1)
+        acceleration = self.gravity_gain * theta.sin() + self.torque_gain * torque
+        theta_dot = (theta_dot + acceleration * self.dt).clamp(-self.max_speed, self.max_speed)
+        self.state = torch.stack([theta + theta_dot * self.dt, theta_dot], dim=1)
         self.steps += 1
         self.episode_returns += rewards
         truncated = self.steps >= self.MAX_EPISODE_STEPS
@@ -817,10 +848,20 @@ class TorchPendulum:
         episode_returns, episode_lengths = self.episode_returns.clone(), self.steps.clone()
         # Same-step restart, without a host sync: fresh states for all, kept where a game ended.
         self.state = torch.where(truncated[:, None], self.random_states(len(truncated)), self.state)
+        if self.ranges:
+            self.restart_physics(truncated)
         self.steps.masked_fill_(truncated, 0)
         self.episode_returns.masked_fill_(truncated, 0.0)
         return StepResult(rewards.to(torch.float32), torch.zeros_like(truncated), truncated,
                           final_obs, episode_returns, episode_lengths)
+
+    def describe(self) -> str:
+        """Its physics in words, for the start-up and --eval lines."""
+        words = ", ".join(f"{name} {low:g}" + f" to {high:g}" * (low < high)
+                          for name, (low, high) in self.physics.items())
+        gymnasiums = all(self.physics[name] == (value,) * 2 for name, value in self.PHYSICS.items())
+        return words + (" (ranges drawn per game at each reset)" if self.ranges else
+                        " (gymnasium's)" if gymnasiums else "")
 
     def close(self):
         pass
@@ -851,7 +892,7 @@ def check_env_specs(engine, num_envs: int, obs_space, action_space, steps: int =
         result = engine.step(low + (3 * uniform - 1) * (high - low))
         check("an observation", engine.observations(), obs_shape, torch.float32, obs_bounds)
         check("a final observation", result.final_obs, obs_shape, torch.float32, obs_bounds)
-        check("a reward", result.rewards, (num_envs,), torch.float32, engine.REWARD_RANGE)
+        check("a reward", result.rewards, (num_envs,), torch.float32, engine.reward_range)
         check("terminated", result.terminated, (num_envs,), torch.bool)
         check("truncated", result.truncated, (num_envs,), torch.bool)
         truncations += int(result.truncated.sum())
@@ -861,13 +902,16 @@ def check_env_specs(engine, num_envs: int, obs_space, action_space, steps: int =
 
 
 def start_engine(config: Config, obs_size: int, first_seed: int, device: torch.device):
-    """Workers of Games, or the torch Pendulum checked first against gymnasium's declared spaces."""
+    """Workers of Games, or the torch Pendulum checked first against its declared spaces:
+    gymnasium's with gymnasium's physics, else the bounds its own physics allows."""
     if config.env_backend == "game":
         return WorkerPool(config, obs_size, first_seed, device)
     env = gym.make(config.env)  # (for its declared spaces; Pendulum holds nothing to close)
-    check_env_specs(TorchPendulum(4, first_seed, device), 4, env.observation_space,
+    physics = parse_physics(config.physics)
+    spare = TorchPendulum(4, first_seed, device, physics)
+    check_env_specs(spare, 4, spare.observation_space if physics else env.observation_space,
                     env.action_space)
-    return TorchPendulum(config.num_envs, first_seed, device)
+    return TorchPendulum(config.num_envs, first_seed, device, physics)
 
 
 def ended_episodes(episodes: list) -> list:
@@ -1372,7 +1416,7 @@ class RunGuard(Run):
 
     def setup(self):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
-        check_settings(self.config)
+        check_settings(self.config, complete=not self.config.resume)
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
         config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
         check_settings(config)
@@ -1424,6 +1468,8 @@ class RunGuard(Run):
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
         self.games = start_engine(self.config, self.obs_size, first_seed, self.device)
         self.log.say(f"engine: {self.games.engine}")
+        if isinstance(self.games, TorchPendulum):
+            self.log.say(f"physics: {self.games.describe()}")
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1804,10 +1850,12 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
-    """--eval: play a checkpoint's games (gymnasium's), its statistics frozen; report the return."""
+    """--eval: play a checkpoint's games, its statistics frozen; report the return. gymnasium's
+    Game plays them one by one; with --physics, torch Pendulums side by side, one episode each."""
     check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
+    physics = check_physics(config)  # (the checkpoint's, unless given)
     obs_size, action_size, low, high = inspect_env(config.env)
     # MuJoCo draws with OpenGL: without a display, offscreen (MUJOCO_GL=egl or osmesa).
     if config.video and runs_on_mujoco(config.env) and not (
@@ -1818,30 +1866,41 @@ def evaluate_checkpoint(given: Config) -> dict:
     load_weights(model, checkpoint["model"], config)
     load_statistics(model.obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
-    game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
-    video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
-    try:
-        while len(returns) < config.eval_episodes:
-            if config.video:
-                video = write_frame(video, game, path)
-            obs = model.obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip,
-                                            update=False)
-            actions, _, _ = model.act(obs, greedy=config.greedy)
-            obs, _, _, _, info = game.step(actions[0].clamp(low, high).numpy())
-            if "episode" in info:
-                returns.append(float(info["episode"]["return"]))
-    finally:
-        game.env.close()
-        if video is not None:
-            video.release()
+    video, path, returns, played = None, Path(config.run_dir) / "eval.mp4", [], ""
+    if physics:  # all games side by side, one episode (200 steps) each
+        refuse_what_will_not_fit(config.eval_episodes * 2 ** 10, "--eval-episodes' games")
+        engine = TorchPendulum(config.eval_episodes, config.seed, torch.device("cpu"), physics)
+        for _ in range(engine.MAX_EPISODE_STEPS):
+            obs = model.obs_stats.normalize(engine.observations(), config.obs_clip, update=False)
+            result = engine.step(model.act(obs, greedy=config.greedy)[0].clamp(low, high))
+        returns, played = result.episode_returns.tolist(), f", physics {engine.describe()}"
+    else:
+        game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
+        obs = game.reset()
+        try:
+            while len(returns) < config.eval_episodes:
+                if config.video:
+                    video = write_frame(video, game, path)
+                obs = model.obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip,
+                                                update=False)
+                actions, _, _ = model.act(obs, greedy=config.greedy)
+                obs, _, _, _, info = game.step(actions[0].clamp(low, high).numpy())
+                if "episode" in info:
+                    returns.append(float(info["episode"]["return"]))
+        finally:
+            game.env.close()
+            if video is not None:
+                video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
     how = "greedy" if config.greedy else "sampled"
     episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
-    print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
+    print(f"eval {config.env}{played}: return {mean:.2f} ± {std:.2f} over {episodes} "
+          f"({how} actions)")
     if video is not None:
         print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
             "std_return": std, "returns": returns, "greedy": config.greedy,
+            "physics": config.physics,
             "video": str(path) if video is not None else None}
 
 
@@ -1893,15 +1952,15 @@ def refuse_what_will_not_fit(needed: int, what: str):
                          f"{free / 2 ** 30:,.1f} GiB free: lower --num-envs or --num-steps")
 
 
-def check_settings(config: Config):
+def check_settings(config: Config, complete: bool = True):
     """Refuse, in one line saying what to change, numbers out of range (or not finite) and flags
-    that cannot work together."""
+    that cannot work together (complete=False: --resume's flags, before its checkpoint's)."""
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag} must be a finite number, not {value}")
-        if rule is not None and value is not None and not RANGES[rule][0](value):
+        if rule in RANGES and value is not None and not RANGES[rule][0](value):
             raise UsageError(f"{flag} must be {RANGES[rule][1]}, not {value}")
     for flag in ("video", "greedy"):
         if getattr(config, flag) and not config.eval:
@@ -1915,6 +1974,7 @@ def check_settings(config: Config):
                          f"--env-backend game")
     if config.env_backend == "torch" and config.num_workers:
         raise UsageError("--env-backend torch steps every game in this process: drop --num-workers")
+    check_physics(config, complete)
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
@@ -1925,6 +1985,52 @@ def check_settings(config: Config):
     if batch_size // config.num_minibatches < 2:
         raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot be "
                          f"normalised: raise --num-envs or --num-steps, or lower --num-minibatches")
+
+
+def parse_physics(text: str) -> dict:
+    """--physics as {name: (low, high)}: "g=6:14,m=1.2" is {"g": (6.0, 14.0), "m": (1.2, 1.2)}.
+    Physical: g 0 (weightless) or more, the rest positive, max_torque at most the bound (2) that
+    the policy's actions are clipped to (gymnasium's); else, or for an unknown name, a name given
+    twice, no finite number, an empty or reversed range: refused in one line."""
+    physics = {}
+    for part in filter(None, (part.strip() for part in text.split(","))):
+        name, _, values = (word.strip() for word in part.partition("="))
+        close = difflib.get_close_matches(name.lower(), TorchPendulum.PHYSICS, n=1)
+        try:
+            low, high = map(float, values.split(":") if ":" in values else (values, values))
+        except ValueError:
+            low = high = None
+        rule = ">= 0" if name == "g" else "> 0"
+        problem = (
+            f"no parameter {name!r}; " + (f"did you mean {close[0]}?" if close else
+                                          f"use {', '.join(TorchPendulum.PHYSICS)}")
+            if name not in TorchPendulum.PHYSICS else
+            f"write {name}=value or {name}=low:high (e.g. g=6:14)" if low is None else
+            f"{name} is given twice" if name in physics else
+            "not a finite number" if not (math.isfinite(low) and math.isfinite(high)) else
+            f"a reversed range: write {name}={high:g}:{low:g}" if low > high else
+            f"an empty range: write {name}={low:g}" if low == high and ":" in values else
+            f"{name} must be {RANGES[rule][1]}" if not RANGES[rule][0](low) else
+            "max_torque must be at most 2, the bound of the policy's actions (gymnasium's)"
+            if name == "max_torque" and high > 2 else None)
+        if problem:
+            raise UsageError(f"--physics {part!r}: {problem}")
+        physics[name] = (low, high)
+    return physics
+
+
+def check_physics(config: Config, complete: bool = True) -> dict:
+    """--physics, read (parse_physics) and held to what plays it: the torch Pendulum."""
+    physics = parse_physics(config.physics)
+    if physics and config.env != "Pendulum-v1":
+        raise UsageError(f"--physics is Pendulum-v1's, not {config.env}'s: drop --physics")
+    if physics and config.env_backend == "game" and complete and not config.eval:
+        raise UsageError("--physics needs --env-backend torch: the lesson's Game plays gymnasium's "
+                         "Pendulum-v1, whose physics is its own")
+    if physics and config.video:
+        raise UsageError(f"--video films gymnasium's Pendulum-v1, not --physics "
+                         f"{config.physics!r}: add --physics '' (gymnasium's) or drop --video")
+    return physics
 
 
 def inspect_env(env_id: str):

@@ -85,9 +85,91 @@ def test_torch_pendulum_truncates_at_200_steps_and_restarts_in_the_same_step():
     assert not engine.step(torch.zeros(512, 1)).truncated.any()
 
 
+def test_each_games_physics_steps_like_gymnasiums_pendulum_with_the_same_parameters():
+    # All six parameters drawn per game; gymnasium's Pendulum-v1 takes g (gym.make's g=), and its
+    # step reads the others from the env, set here. Torques up to +-4 meet each game's own bound.
+    physics = {"g": (0.0, 20.0), "m": (0.5, 2.0), "l": (0.5, 2.0), "max_speed": (2.0, 10.0),
+               "max_torque": (0.5, 2.0), "dt": (0.01, 0.1)}
+    engine = pc.TorchPendulum(64, seed=0, device=CPU, physics=physics)
+    for name, (low, high) in physics.items():
+        drawn = getattr(engine, name)
+        assert drawn.shape == (64,) and low <= drawn.min() < drawn.max() < high, name
+    rng = np.random.default_rng(0)
+    states = np.column_stack([rng.uniform(-12, 12, 64), rng.uniform(-10, 10, 64)])
+    torques = rng.uniform(-4, 4, 64).astype(np.float32)
+    engine.state = torch.tensor(states)
+    result = engine.step(torch.from_numpy(torques)[:, None])
+    for i in range(64):
+        # (gymnasium's declared spaces hold its max_speed of 8: no checker warning at 10)
+        env = gym.make("Pendulum-v1", g=engine.g[i].item(), disable_env_checker=True)
+        env.reset(seed=0)
+        for name in ("m", "l", "max_speed", "max_torque", "dt"):
+            setattr(env.unwrapped, name, getattr(engine, name)[i].item())
+        env.unwrapped.state = states[i].copy()
+        obs, reward, _, _, _ = env.step(torques[i:i + 1])
+        assert np.allclose(result.final_obs[i].numpy(), obs, atol=1e-6), i
+        assert np.allclose(engine.state[i].numpy(), env.unwrapped.state, rtol=1e-6, atol=1e-7), i
+        assert result.rewards[i].item() == pytest.approx(reward, rel=1e-5, abs=1e-6), i
+    assert (engine.state[:, 1].abs() == engine.max_speed).any()  # some games at their own bound
+    assert (engine.state[:, 1].abs() <= engine.max_speed).all()
+
+
+def test_ranges_are_drawn_per_game_at_each_reset_and_fixed_values_draw_nothing():
+    engine = pc.TorchPendulum(512, seed=3, device=CPU, physics={"g": (6.0, 14.0), "m": (1.2, 1.2)})
+    first_g = engine.g.clone()
+    assert 6 <= first_g.min() < 6.1 and 13.9 < first_g.max() < 14 and len(first_g.unique()) == 512
+    assert (engine.m == 1.2).all() and (engine.l == 1.0).all() and (engine.dt == 0.05).all()
+    engine.steps[:256] = 100  # the first half of the games ends its episodes 100 steps sooner
+    for _ in range(100):
+        engine.step(torch.zeros(512, 1))
+    assert (engine.g[:256] != first_g[:256]).all() and torch.equal(engine.g[256:], first_g[256:])
+    assert 6 <= engine.g.min() and engine.g.max() < 14 and (engine.m == 1.2).all()
+    torch.testing.assert_close(engine.gravity_gain, 3 * engine.g / 2, rtol=0, atol=0)
+    second_g = engine.g.clone()
+    for _ in range(100):
+        engine.step(torch.zeros(512, 1))
+    assert (engine.g[256:] != second_g[256:]).all() and torch.equal(engine.g[:256], second_g[:256])
+    # Fixed values, gymnasium's or not, draw nothing: the starting states are those of gymnasium's
+    # physics, from the same generator's stream.
+    fixed, default = (pc.TorchPendulum(512, seed=3, device=CPU, physics=physics)
+                      for physics in ({"g": (12.0, 12.0), "dt": (0.02, 0.02)}, None))
+    for _ in range(201):
+        fixed.step(torch.zeros(512, 1))
+        default.step(torch.zeros(512, 1))
+    assert torch.equal(fixed.generator.get_state(), default.generator.get_state())
+    assert not torch.equal(fixed.state, default.state) and (fixed.g == 12).all()
+
+
+def test_gymnasiums_physics_given_or_not_steps_bit_for_bit_as_gymnasiums_formula():
+    # The step's float64 arithmetic is gymnasium's, in its order: with gymnasium's values, given or
+    # not, it gives the bits of gymnasium's formula on Python numbers (the engine before --physics).
+    rng = np.random.default_rng(1)
+    states = torch.tensor(np.column_stack([rng.uniform(-12, 12, 64), rng.uniform(-8, 8, 64)]))
+    torques = torch.from_numpy(rng.uniform(-4, 4, (64, 1)).astype(np.float32))
+    theta, theta_dot = states.unbind(1)
+    u = torques[:, 0].double().clamp(-2.0, 2.0)
+    theta_dot = (theta_dot + (3 * 10.0 / (2 * 1.0) * theta.sin() + 3.0 / (1.0 * 1.0 ** 2) * u)
+                 * 0.05).clamp(-8.0, 8.0)
+    expected = torch.stack([theta + theta_dot * 0.05, theta_dot], dim=1)
+    for physics in (None, {"g": (10.0, 10.0), "dt": (0.05, 0.05)}, {"g": (10.5, 10.5)}):
+        engine = pc.TorchPendulum(64, seed=0, device=CPU, physics=physics)
+        engine.state = states.clone()
+        engine.step(torques)
+        assert torch.equal(engine.state, expected) == (physics != {"g": (10.5, 10.5)}), physics
+
+
 def test_the_spec_check_passes_the_torch_pendulum_and_catches_a_wrong_one():
     env = gym.make("Pendulum-v1")
     pc.check_env_specs(pc.TorchPendulum(4, 0, CPU), 4, env.observation_space, env.action_space)
+    # With gymnasium's physics the engine declares gymnasium's spaces, and its documented worst
+    # reward, -(pi^2 + 0.1 * 8^2 + 0.001 * 2^2); with its own, the bounds its games can reach.
+    default = pc.TorchPendulum(4, 0, CPU)
+    assert default.observation_space == env.observation_space
+    assert default.reward_range == (pytest.approx(-16.2736044), 0.0)
+    faster = pc.TorchPendulum(4, 0, CPU, {"max_speed": (4.0, 12.0), "max_torque": (1.0, 1.0)})
+    assert faster.observation_space.high.tolist() == [1, 1, 12]
+    assert faster.reward_range == (pytest.approx(-(math.pi ** 2 + 14.4 + 0.001)), 0.0)
+    pc.check_env_specs(faster, 4, faster.observation_space, env.action_space)
 
     class Float64Rewards(pc.TorchPendulum):
         def step(self, actions):
@@ -96,11 +178,9 @@ def test_the_spec_check_passes_the_torch_pendulum_and_catches_a_wrong_one():
     with pytest.raises(RuntimeError, match="a reward has dtype torch.float64"):
         pc.check_env_specs(Float64Rewards(4, 0, CPU), 4, env.observation_space, env.action_space)
 
-    class Unclipped(pc.TorchPendulum):
-        MAX_SPEED = 100.0
-
+    unclipped = pc.TorchPendulum(4, 0, CPU, {"max_speed": (100.0, 100.0)})
     with pytest.raises(RuntimeError, match="out of bounds"):
-        pc.check_env_specs(Unclipped(4, 0, CPU), 4, env.observation_space, env.action_space)
+        pc.check_env_specs(unclipped, 4, env.observation_space, env.action_space)
 
 
 # ----- the Gaussian policy -------------------------------------------------------------------------
@@ -319,6 +399,74 @@ def test_same_seed_same_weights_and_statistics_on_the_cpu(backend, tmp_path):
     assert not torch.equal(a["obs_mean"], other["obs_mean"])
 
 
+GYMNASIUMS = "g 10, m 1, l 1, max_speed 8, max_torque 2, dt 0.05 (gymnasium's)"
+RANGED = ("g 6 to 14, m 1, l 1, max_speed 8, max_torque 2, dt 0.04 (ranges drawn per game at "
+          "each reset)")
+
+
+def test_checkpoints_keep_the_physics_for_resume_and_eval_and_a_typed_physics_wins(tmp_path,
+                                                                                     capsys):
+    run_dir = str(tmp_path / "run")
+
+    def lines(*args, start="physics: "):  # a command line in this process: its lines `start...`
+        assert pc.command_line([*map(str, args)]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith(start)]
+
+    # Given in any order, told in gymnasium's, every parameter.
+    assert lines("--env-backend", "torch", "--physics", "dt=0.04, g=6:14", "--total-timesteps",
+                 BATCH, "--num-envs", 4, "--num-steps", 32, "--num-minibatches", 2,
+                 "--device", "cpu", "--run-dir", run_dir) == [f"physics: {RANGED}"]
+    assert checkpoint_of(tmp_path / "run")["config"]["physics"] == "dt=0.04, g=6:14"
+    # --eval plays the checkpoint's physics (the torch Pendulum), or the one typed, or with
+    # --physics '' gymnasium's Pendulum-v1 in the lesson's Game.
+    evaluate = ["--eval", run_dir, "--eval-episodes", 3]
+    assert lines(*evaluate, start="eval ")[0].startswith(
+        f"eval Pendulum-v1, physics {RANGED}: return ")
+    assert lines(*evaluate, "--physics", "g=6", start="eval ")[0].startswith(
+        "eval Pendulum-v1, physics g 6, m 1, l 1, max_speed 8, max_torque 2, dt 0.05: return ")
+    assert lines(*evaluate, "--physics", "", start="eval ")[0].startswith(
+        "eval Pendulum-v1: return ")
+    # --resume keeps it; a typed --physics wins (and is kept from then on); '' is gymnasium's.
+    assert lines("--resume", run_dir, "--total-timesteps", 2 * BATCH) == [f"physics: {RANGED}"]
+    assert lines("--resume", run_dir, "--total-timesteps", 3 * BATCH, "--physics", "m=1.5") == [
+        "physics: g 10, m 1.5, l 1, max_speed 8, max_torque 2, dt 0.05"]
+    assert checkpoint_of(tmp_path / "run")["config"]["physics"] == "m=1.5"
+    assert pc.command_line(["--resume", run_dir, "--env-backend", "game"]) == 2  # its physics
+    assert capsys.readouterr().err.startswith("error: --physics needs --env-backend torch")
+    assert lines("--resume", run_dir, "--total-timesteps", 4 * BATCH, "--physics", "") == [
+        f"physics: {GYMNASIUMS}"]
+    assert checkpoint_of(tmp_path / "run")["global_step"] == 4 * BATCH
+
+
+def test_eval_with_physics_plays_gymnasiums_pendulum_with_that_g(tmp_path):
+    # A checkpoint of the lesson's Game, played greedily by --eval --physics g=7 on torch
+    # Pendulums side by side, one episode each: each game's return is that of gymnasium's
+    # Pendulum-v1(g=7) played by the same policy from the same start.
+    pc.Main(pc.Config(total_timesteps=BATCH, run_dir=str(tmp_path), **SMALL)).run()
+    played = pc.Main(pc.Config(eval=str(tmp_path), eval_episodes=4, greedy=True,
+                               physics="g=7")).run()
+    assert played["physics"] == "g=7" and played["episodes"] == 4
+    checkpoint, model = checkpoint_of(tmp_path), pc.Model(3, 1)
+    model.load_state_dict(checkpoint["model"])
+    pc.load_statistics(model.obs_stats, checkpoint["normalizer"]["obs"])
+    starts = pc.TorchPendulum(4, 1, CPU, {"g": (7.0, 7.0)}).state.numpy()  # --seed 1's
+    for start, played_return in zip(starts, played["returns"]):
+        env = gym.make("Pendulum-v1", g=7.0)
+        env.reset(seed=0)
+        env.unwrapped.state, total = start.copy(), 0.0
+        obs = np.array([math.cos(start[0]), math.sin(start[0]), start[1]], np.float32)
+        for _ in range(200):
+            with torch.no_grad():
+                normalised = model.obs_stats.normalize(torch.from_numpy(obs)[None], 10.0,
+                                                       update=False)
+                action = model.act(normalised, greedy=True)[0].clamp(-2, 2)
+            obs, reward, _, truncated, _ = env.step(action[0].numpy())
+            total += reward
+        assert truncated and played_return == pytest.approx(total, rel=1e-6)
+    with pytest.raises(pc.UsageError, match="--eval-episodes' games would take about"):
+        pc.Main(pc.Config(eval=str(tmp_path), eval_episodes=10 ** 15, physics="g=7")).run()
+
+
 def test_learns_pendulum(tmp_path):
     # A random policy scores about -1200; the budget is a fraction of the 200k that reach -200.
     summary = pc.Main(pc.Config(seed=1, env_backend="torch", total_timesteps=60 * 1024,
@@ -436,19 +584,25 @@ def test_a_lesson_whose_source_cannot_be_read_runs_its_torch_code(monkeypatch):
     assert not hasattr(main, "estimate_advantages")
 
 
-@pytest.mark.parametrize("settings,learner,engine", [
-    ({}, "learner: NumPy fast path, equal to the lesson's", "engine: the lesson's Game, 4 in this process"),
+TORCH_ENGINE = ("engine: the torch Pendulum (Pendulum-v1 in tensors, the same game as Game: "
+                "tests/test_continuous.py); --env-backend game plays the lesson's Game")
+
+
+@pytest.mark.parametrize("settings,learner,engine,physics", [
+    ({}, "learner: NumPy fast path, equal to the lesson's",
+     "engine: the lesson's Game, 4 in this process", []),
     ({"numpy_on_cpu": False, "num_workers": 2}, "learner: the lesson's torch code",
-     "engine: the lesson's Game, 2 per Worker in 2 child processes"),
-    ({"env_backend": "torch"}, "learner: NumPy fast path, equal to the lesson's",
-     "engine: the torch Pendulum (Pendulum-v1 in tensors, the same game as Game: tests/test_continuous.py); "
-     "--env-backend game plays the lesson's Game"),
+     "engine: the lesson's Game, 2 per Worker in 2 child processes", []),
+    ({"env_backend": "torch"}, "learner: NumPy fast path, equal to the lesson's", TORCH_ENGINE,
+     [f"physics: {GYMNASIUMS}"]),  # (another physics: the next test)
 ])
-def test_the_start_up_lines_name_the_learner_and_the_engine(settings, learner, engine, tmp_path, capsys):
+def test_the_start_up_lines_name_the_learner_the_engine_and_its_physics(
+        settings, learner, engine, physics, tmp_path, capsys):
     pc.Main(pc.Config(total_timesteps=BATCH, run_dir=str(tmp_path), **{**SMALL, **settings})).run()
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if line.startswith("learner: ")][0].startswith(learner), lines
     assert [line for line in lines if line.startswith("engine: ")] == [engine], lines
+    assert [line for line in lines if line.startswith("physics: ")] == physics, lines
 
 
 def test_a_lesson_whose_loss_is_zero_runs_as_edited_and_does_not_learn(tmp_path):
@@ -540,6 +694,25 @@ def test_a_checkpoint_of_the_hand_written_adam_and_the_gym_backend_resumes_as_a_
     (["--env-backend", "jax"], "unknown --env-backend 'jax'"),
     (["--env-backend", "torch", "--env", "MountainCarContinuous-v0"],
      "--env-backend torch has Pendulum-v1 only"),
+    # --physics: bad names, ranges and values; what cannot play it.
+    (["--env-backend", "torch", "--physics", "G=12"],
+     "--physics 'G=12': no parameter 'G'; did you mean g?"),
+    (["--env-backend", "torch", "--physics", "mass=2"],
+     "no parameter 'mass'; use g, m, l, max_speed, max_torque, dt"),
+    (["--env-backend", "torch", "--physics", "g=6:"],
+     "'g=6:': write g=value or g=low:high (e.g. g=6:14)"),
+    (["--env-backend", "torch", "--physics", "g=6,g=8"], "--physics 'g=8': g is given twice"),
+    (["--env-backend", "torch", "--physics", "g=14:6"], "a reversed range: write g=6:14"),
+    (["--env-backend", "torch", "--physics", "g=6:6"], "an empty range: write g=6"),
+    (["--env-backend", "torch", "--physics", "m=inf"], "--physics 'm=inf': not a finite number"),
+    (["--env-backend", "torch", "--physics", "g=-1:5"], "g must be 0 or more"),
+    (["--env-backend", "torch", "--physics", "l=0"], "l must be positive"),
+    (["--env-backend", "torch", "--physics", "max_torque=1:3"],
+     "max_torque must be at most 2, the bound of the policy's actions"),
+    (["--physics", "g=12"], "--physics needs --env-backend torch"),
+    (["--env", "MountainCarContinuous-v0", "--physics", "g=12"],
+     "--physics is Pendulum-v1's, not MountainCarContinuous-v0's"),
+    (["--eval", "x", "--video", "--physics", "g=6"], "--video films gymnasium's Pendulum-v1"),
 ])
 def test_bad_input_is_refused_with_one_line_and_status_2(args, message, tmp_path, capsys):
     # In this process, through the command line's own entry point (the one below runs it whole).
@@ -609,6 +782,10 @@ def test_both_engines_play_16_games_of_64_steps_by_default(capsys):
     flat = " ".join(capsys.readouterr().out.split())
     assert "(by each rank, under torchrun) (valid: > 0) (default: 16)" in flat
     assert "rollout of num_envs * num_steps (valid: > 0) (default: 64)" in flat
+    # What a game's physics is, how to give it, and what is physical.
+    assert ("--physics PHYSICS the torch Pendulum's g (gravity), m, l (mass, length), max_speed, "
+            "max_torque, dt, e.g. g=6:14,m=1.2: a range is drawn per game at each reset; '': "
+            "gymnasium's (valid: g >= 0, the rest > 0, max_torque <= 2)") in flat
 
 
 def test_ctrl_c_saves_the_statistics_and_resume_continues(tmp_path):
