@@ -37,7 +37,7 @@ def test_model_and_trainer_learn_a_pixel_task():
     generator = torch.Generator().manual_seed(0)
     model = pa.Model(num_actions=4)
     trainer = pa.Trainer(model, pa.Config(learning_rate=1e-3))
-    for _ in range(60):
+    for _ in range(20):  # 10 already reach an accuracy of 1 (seed 0)
         obs, right = patch_task(128, generator)
         with torch.no_grad():
             actions, log_prob, value = model.act(obs)

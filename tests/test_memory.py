@@ -474,14 +474,19 @@ def test_learns_stateless_cartpole(kind, tmp_path):
     assert summary["mean_return_100"] >= mean_return, summary
 
 
+# A step budget per kind and a 100-episode mean that a random policy (near -500) does not reach;
+# seed 1 is at -151 (lstm) and -137 (gru) after 40,960 steps, at -181 (attention) after 61,440.
+# These kinds with one memory shared by actor and critic, or (attention) with unscaled rewards,
+# stayed near -500 (benchmarks/README.md).
+ACROBOT = {"lstm": (40_960, -250), "gru": (40_960, -250), "attention": (61_440, -300)}
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gru", "attention"])
 def test_the_memory_kinds_learn_stateless_acrobot(kind, tmp_path):
-    # Seed 1 ends at -121 (lstm), -101 (gru) and -215 (attention) with 61,440 steps; a random
-    # policy stays near -500, and so did these kinds with one memory shared by actor and critic, or
-    # (attention) with unscaled rewards (benchmarks/README.md).
+    steps, mean_return = ACROBOT[kind]
     summary = pm.Main(pm.Config(env="StatelessAcrobot-v1", memory=kind, seed=1,
-                                total_timesteps=61_440, run_dir=str(tmp_path))).run()
-    assert summary["mean_return_100"] >= -350, summary
+                                total_timesteps=steps, run_dir=str(tmp_path))).run()
+    assert summary["mean_return_100"] >= mean_return, summary
 
 
 def test_learns_stateless_acrobot_with_the_defaults(tmp_path):

@@ -65,8 +65,11 @@ def workers_of(pid):
             if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
-def shared_memory_segments():
-    return {path.name for path in Path("/dev/shm").glob("psm_*")}
+def shared_memory_of(pids):
+    """The names in /dev/shm that these live processes map (one already unlinked reads "NAME
+    (deleted)"): only the run's own, so that tests running beside it cannot blur the check."""
+    return {line.split(maxsplit=5)[5].removesuffix(" (deleted)") for pid in pids
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
 
 
 # ----- bad input -------------------------------------------------------------------------------------
@@ -229,14 +232,14 @@ def test_workers_never_finalize_the_trainers_objects(script, tmp_path, monkeypat
 
 @pytest.mark.parametrize("script", ["ppo_cartpole", "ppo_atari"])
 def test_ctrl_c_saves_and_resume_continues_the_schedule(script, tmp_path):
-    segments_before = shared_memory_segments()
     process = start_script(script, tmp_path / "run")
     workers = children(process.pid)
+    segments = shared_memory_of([process.pid, *workers])
     os.killpg(process.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
     process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGINT
     assert wait_until_gone(workers)
-    assert shared_memory_segments() <= segments_before
+    assert segments and not any(os.path.exists(name) for name in segments), segments
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["interrupted"] is True
     stopped = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
@@ -256,9 +259,9 @@ def test_ctrl_c_saves_and_resume_continues_the_schedule(script, tmp_path):
 
 def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
     # 3,000 epochs: each update takes seconds, which the first Ctrl-C would wait for.
-    segments_before = shared_memory_segments()
     process = start_script("ppo_cartpole", tmp_path / "run", "--update-epochs", 3000)
     workers = children(process.pid)
+    segments = shared_memory_of([process.pid, *workers])
     time.sleep(1)  # past the second rollout (milliseconds), into its update (9 s idle)
     os.killpg(process.pid, signal.SIGINT)
     time.sleep(0.5)
@@ -271,7 +274,7 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
     assert stderr.strip().splitlines()[-1] == \
         "error: stopped at once; the checkpoint of the last finished update is kept"
     assert wait_until_gone(workers)
-    assert shared_memory_segments() <= segments_before
+    assert segments and not any(os.path.exists(name) for name in segments), segments
     # the checkpoint of the first update, whole: the second was cut short
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["global_step"] == \
         BATCH["ppo_cartpole"]
