@@ -54,8 +54,9 @@ class Config:
     max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
     target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
     hidden_size: int = option(64, "units of the MLPs' hidden layers and a CNN's output", "> 0")
-    normalize_observations: bool = option(True, "normalise Box vectors by running mean and std")
+    normalize_observations: bool = option(True, "normalise Box leaves by running mean and std")
     obs_clip: float = option(10.0, "clip normalised observations to +-this", "> 0")
+    scale_rewards: bool = option(True, "divide rewards by the running std of the discounted return")
     action_mask: bool = option(True, "forbid what the env's action_mask forbids (if it has one)")
     check_env: bool = option(True, "first check the env's observations against its spaces")
 
@@ -295,14 +296,14 @@ class OneHot(nn.Module):
 
 
 class ImageEncoder(nn.Module):
-    """A uint8 image leaf (HWC, CHW: the channels are the shorter end; HW: one channel), scaled to
-    [0, 1], through a CNN sized to it: 3x3 convolutions, at most three, while its sides are 3 or
-    more, stride 2 while they are 16 or more (MiniGrid's 7x7: 7, 5, 3, 1); then a linear layer."""
+    """A uint8 image leaf (HWC, CHW: the channels are the shorter end; HW: one channel, last),
+    divided by `divisor`, through a CNN sized to it: 3x3 convolutions, at most three, while its
+    sides are 3 or more, stride 2 while 16 or more (MiniGrid's 7x7: 7, 5, 3, 1); a linear layer."""
 
-    def __init__(self, shape: tuple, hidden_size: int):
+    def __init__(self, shape: tuple, hidden_size: int, divisor: float = 255.0):
         super().__init__()
-        self.shape = tuple(shape) if len(shape) == 3 else (*shape, 1)  # (HW: one channel, last)
-        self.channels_first, layers = self.shape[0] < self.shape[-1], []
+        self.shape, self.divisor = tuple(shape) if len(shape) == 3 else (*shape, 1), divisor
+        self.channels_first, layers, self.features = self.shape[0] < self.shape[-1], [], hidden_size
         channels, *sides = self.shape if self.channels_first else self.shape[-1:] + self.shape[:2]
         for out_channels in (32, 64, 64):
             if min(sides) < 3:
@@ -315,27 +316,28 @@ class ImageEncoder(nn.Module):
             channels, sides = out_channels, [(side - 3) // stride + 1 for side in sides]
         self.cnn = nn.Sequential(*layers, nn.Flatten(),
                                  layer(channels * sides[0] * sides[1], hidden_size), nn.ReLU())
-        self.features = hidden_size
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [batch, H*W*C] in 0..255
-        images = pixels.reshape(-1, *self.shape) / 255.0
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [batch, H*W*C]
+        images = pixels.reshape(-1, *self.shape) / self.divisor
         return self.cnn(images if self.channels_first else images.permute(0, 3, 1, 2))  # CHW
 
 
 class Encoder(nn.Module):
     """One encoder per observed leaf (`obs_kind`), their features side by side, as SB3's
     MultiInputPolicy: the flat observation (Game) split back into its leaves; a vector or bits as
-    they are (vectors normalised already: RunningMeanStd), a choice one-hot, an image by a CNN."""
+    they are, a choice one-hot, an image by a CNN. The Box leaves' numbers (`box_columns`, images'
+    too: MiniGrid's are codes 0-10, near 0 / 255) come normalised by RunningMeanStd, each by its
+    own mean and std, as SB3's VecNormalize does."""
 
-    def __init__(self, obs_space, hidden_size: int):
+    def __init__(self, obs_space, hidden_size: int, image_divisor: float = 255.0):
         super().__init__()
         observed = [(space, obs_kind(space)) for _, space in observed_leaves(obs_space)]
         self.sizes = [int(np.prod(space.shape)) for space, _ in observed]  # (Discrete: 1)
         self.obs_size, ends = sum(self.sizes), np.cumsum(self.sizes).tolist()
-        self.vector_columns = [column for (_, kind), size, end in zip(observed, self.sizes, ends)
-                               if kind == "vector" for column in range(end - size, end)]
+        self.box_columns = [column for (_, kind), size, end in zip(observed, self.sizes, ends)
+                            if kind in ("vector", "image") for column in range(end - size, end)]
         self.encoders = nn.ModuleList(
-            ImageEncoder(space.shape, hidden_size) if kind == "image" else
+            ImageEncoder(space.shape, hidden_size, image_divisor) if kind == "image" else
             OneHot(space) if kind == "one-hot" else nn.Identity() for space, kind in observed)
         self.features = sum(getattr(encoder, "features", size)
                             for encoder, size in zip(self.encoders, self.sizes))
@@ -382,10 +384,10 @@ class ActionHead(nn.Module):
 
 
 class RunningMeanStd(nn.Module):
-    """The count, mean and variance of the numbers seen so far in some columns of the observations
-    (the Box vectors'), kept without the numbers, to normalise them as CleanRL and SB3 do
-    (continuous #6-#7): float64 buffers of the Model (`obs_stats`), part of the policy, saved with
-    it. Each step's observations merge in as they come, by Chan, Golub and LeVeque's formula
+    """The count, mean and variance of the numbers seen so far in some columns (the observations'
+    Box leaves; the discounted return), kept without the numbers, to normalise them as CleanRL and
+    SB3 do (continuous #6-#9): float64 buffers of the Model (`obs_stats`, `return_stats`), saved
+    with it. Each step's numbers merge in as they come, by Chan, Golub and LeVeque's formula
     (1979), exact for any split (n = n_a + n_b, delta = mean_b - mean_a):
         mean = mean_a + delta n_b / n,   var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n
     From count 1e-4, mean 0, variance 1, as theirs (a safe first division). Inactive: a no-op."""
@@ -407,8 +409,7 @@ class RunningMeanStd(nn.Module):
         self.count.fill_(total)
 
     def normalize(self, obs: torch.Tensor, update: bool = True) -> torch.Tensor:
-        """(x - mean) / std in its columns, clipped to +-clip (continuous #7); `update`: this
-        batch merged in first."""
+        """(x - mean) / std in its columns, clipped (continuous #7); `update`: merged in first."""
         if not self.active:
             return obs
         numbers = obs[:, self.columns].to(torch.float64)
@@ -420,6 +421,16 @@ class RunningMeanStd(nn.Module):
             -self.clip, self.clip).to(obs.dtype)
         return obs
 
+    def scale(self, rewards, returns, ended, gamma: float) -> torch.Tensor:
+        """Continuous #8-#9: rewards / std(R), R each game's discounted return (R <- gamma R + r, in
+        `returns`, 0 at an episode's end), clipped: values of unit scale (benchmarks/README.md)."""
+        if not self.active:
+            return rewards
+        returns.mul_(gamma).add_(rewards)
+        self.merge(float(len(returns)), returns.mean(), returns.var(correction=0))
+        returns.masked_fill_(ended, 0.0)
+        return (rewards / (self.var + 1e-8).sqrt()).clamp(-self.clip, self.clip).float()
+
 
 class Model(nn.Module):
     """The actor-critic for a nest of spaces, on observations normalised by its `obs_stats`: their
@@ -429,10 +440,12 @@ class Model(nn.Module):
     are sums over the leaves (as over MultiDiscrete's dimensions, 37 details, #23)."""
 
     def __init__(self, obs_space, action_space, hidden_size: int = 64, masked: bool = False,
-                 normalize: bool = False, obs_clip: float = 10.0):
+                 normalize: bool = False, obs_clip: float = 10.0, scale_rewards: bool = False):
         super().__init__()
-        self.encoder = Encoder(obs_space, hidden_size)
-        self.obs_stats = RunningMeanStd(self.encoder.vector_columns, obs_clip, active=normalize)
+        # Images standardised as Box leaves (by obs_stats), or else read as pixels: divided by 255.
+        self.encoder = Encoder(obs_space, hidden_size, 1.0 if normalize else 255.0)
+        self.obs_stats = RunningMeanStd(self.encoder.box_columns, obs_clip, active=normalize)
+        self.return_stats = RunningMeanStd([0], 10.0, active=scale_rewards)  # (SB3's reward clip)
         self.names = ["/".join(map(str, path)) or "action" for path, _ in leaves(action_space)]
         self.heads = nn.ModuleList(ActionHead(space) for _, space in leaves(action_space))
         # The mask, the observation's last mask_size columns (stored with the step: the update
@@ -726,12 +739,14 @@ class Main:
         with self.guard as guard:
             config = self.config  # (the checkpoint's settings, when resuming)
             self.model = Model(guard.obs_space, guard.action_space, config.hidden_size,
-                               guard.masked, config.normalize_observations, config.obs_clip)
+                               guard.masked, config.normalize_observations, config.obs_clip,
+                               config.scale_rewards)
             self.trainer = Trainer(self.model.to(guard.device), config)
+            self.discounted_returns = self.model.return_stats.mean.new_zeros(config.num_envs)  # R
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, self.model, guard.device)
-            # Box vectors normalised by running mean and std (continuous #6-#7), as they come.
+            # Box leaves normalised by running mean and std (continuous #6-#7), as they come.
             next_obs = self.model.obs_stats.normalize(self.games.observations().to(guard.device))
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
@@ -763,7 +778,9 @@ class Main:
             for name, action in actions.items():
                 rollout.actions[name][step] = action
             result = self.games.step(actions)
-            rewards = torch.from_numpy(result.rewards).to(device)
+            done = torch.from_numpy(result.terminated | result.truncated).to(device)
+            rewards = self.model.return_stats.scale(torch.from_numpy(result.rewards).to(device),
+                                                    self.discounted_returns, done, config.gamma)
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
             # last reward gets gamma * V(final observation); then `dones` cuts GAE at both ends.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
@@ -772,8 +789,7 @@ class Main:
                 cut_obs = self.model.obs_stats.normalize(cut_obs.to(device), update=False)
                 rewards[cut] += config.gamma * self.model.value(cut_obs)
             next_obs = self.model.obs_stats.normalize(self.games.observations().to(device))
-            rollout.rewards[step] = rewards
-            rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated).to(device)
+            rollout.rewards[step], rollout.dones[step] = rewards, done
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
         self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
@@ -1194,12 +1210,13 @@ class Ranks:
             dist.destroy_process_group()
 
 
-def merge_over_ranks(ranks: Ranks, stats: RunningMeanStd, weights: dict):
-    """Under torchrun, after each rollout: each rank's share is what its statistics gained since the
-    last update's `weights` (Chan's formula, inverted); all merge all shares, in rank order."""
+def merge_over_ranks(ranks: Ranks, model: Model, name: str, weights: dict):
+    """Under torchrun, after each rollout: each rank's share is what its statistics `name` gained
+    since the last update's `weights` (Chan's formula, inverted); all merge all shares, in order."""
+    stats = getattr(model, name)  # obs_stats or return_stats
     if not ranks.distributed or not stats.active:
         return
-    before = {key: weights[f"obs_stats.{key}"] for key in ("mean", "var", "count")}
+    before = {key: weights[f"{name}.{key}"] for key in ("mean", "var", "count")}
     old_count, count = float(before["count"]), stats.count.item()
     own = count - old_count
     own_mean = before["mean"] + (stats.mean - before["mean"]) * (count / own if own else 0.0)
@@ -1323,7 +1340,8 @@ class RunGuard(Run):
     def after_rollout(self, ended: list):
         """Record the rollout's episodes; raise Interrupted if asked to stop. Under torchrun the
         ranks meet here: they merge their statistics, learn all episodes (by step, then rank)."""
-        merge_over_ranks(self.ranks, self.main.model.obs_stats, self.last_good_learner["model"])
+        for name in ("obs_stats", "return_stats"):
+            merge_over_ranks(self.ranks, self.main.model, name, self.last_good_learner["model"])
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1574,7 +1592,8 @@ def learner_state(main: Main) -> dict:
 def load_weights(model: Model, checkpoint: dict, config: Config):
     """The checkpoint's Model state into `model`, refused in one line if it does not fit. One from
     before the running statistics were the Model's (its "normalizer") gets them as `obs_stats`."""
-    weights = dict(checkpoint["model"])
+    weights = {key: value for key, value in model.state_dict().items() if "return_stats" in key}
+    weights.update(checkpoint["model"])  # (fresh return_stats where it is from before them)
     for key, value in checkpoint.get("normalizer", {}).get("obs", {}).items():
         weights.setdefault(f"obs_stats.{key}", value)
     try:
@@ -1666,6 +1685,7 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
     refused."""
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
+    saved.setdefault("scale_rewards", False)  # (a checkpoint from before --scale-rewards)
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
     typed = getattr(given, "typed", None)  # the command line's flags (None: Config(...) in code)
     changed = {f.name: getattr(given, f.name) for f in fields

@@ -314,14 +314,14 @@ HYBRID_BENCH = Learning(
 
 DOORKEY = "MiniGrid-DoorKey-5x5-v0"
 DOORKEY_TARGET = 0.9  # issue 22's target, over 100 consecutive episodes
-# Ours on DoorKey: chosen by measurement (see the docstring); nothing else changed.
-DOORKEY_ARGS = ("--num-envs", "8", "--num-minibatches", "16", "--update-epochs", "10",
-                "--learning-rate", "2.5e-4", "--ent-coef", "0")
+# Ours on DoorKey: the script's defaults (issue 36: images standardised, rewards scaled; before,
+# SB3's recipe in our flags: see the docstring).
+DOORKEY_ARGS = ()
 DOORKEY_BENCH = Learning(
     name="spaces_learning_doorkey",
     script=REPO_ROOT / "ppo_spaces.py",
     variants=("ours", "sb3", "random"),
-    labels={"ours": "ours, ppo_spaces.py (DOORKEY_ARGS: SB3's recipe in our flags)",
+    labels={"ours": "ours, ppo_spaces.py (defaults)",
             "sb3": "SB3 PPO, MultiInputPolicy (rl-zoo 1.8 recipe, mission dropped)",
             "random": "uniformly random actions"},
     colors={"ours": "tab:blue", "sb3": "tab:red", "random": "tab:gray"},
@@ -340,11 +340,32 @@ DOORKEY_BENCH = Learning(
     target=DOORKEY_TARGET,
     legend_loc="lower right",
 )
-BENCHES = {ENV: BENCH, BLACKJACK: BLACKJACK_BENCH, HYBRID: HYBRID_BENCH, DOORKEY: DOORKEY_BENCH}
+EMPTY = "MiniGrid-Empty-Random-6x6-v0"  # issue 36: reach the goal square from a random start
+EMPTY_BENCH = Learning(
+    name="spaces_learning_empty",
+    script=REPO_ROOT / "ppo_spaces.py",
+    variants=("ours", "sb3", "random"),
+    labels={"ours": "ours, ppo_spaces.py (defaults)",
+            "sb3": "SB3 PPO, MultiInputPolicy (rl-zoo's MiniGrid recipe, mission dropped)",
+            "random": "uniformly random actions"},
+    colors={"ours": "tab:blue", "sb3": "tab:red", "random": "tab:gray"},
+    packages=("torch", "gymnasium", "minigrid", "stable-baselines3", "numpy"),
+    unit="episode",
+    score="return",
+    x_label="environment steps (all envs)",
+    y_label=f"episode return (mean of the last {WINDOW} training episodes)",
+    note=DOORKEY_BENCH.note.replace(DOORKEY, EMPTY),
+    target=DOORKEY_TARGET,
+    legend_loc="lower right",
+)
+BENCHES = {ENV: BENCH, BLACKJACK: BLACKJACK_BENCH, HYBRID: HYBRID_BENCH, DOORKEY: DOORKEY_BENCH,
+           EMPTY: EMPTY_BENCH}
+MINIGRID = (DOORKEY, EMPTY)  # ours against SB3's MiniGrid recipe (`minigrid_sb3_child`)
 # The --env our script and gymnasium.make are given: an env outside gymnasium comes with the
 # module that registers it (tests/ is put on the path for spaces_envs).
-ENV_IDS = {HYBRID: f"spaces_envs:{HYBRID}", DOORKEY: f"minigrid:{DOORKEY}"}
-OUR_ARGS = {BLACKJACK: BLACKJACK_ARGS, HYBRID: HYBRID_ARGS, DOORKEY: DOORKEY_ARGS}
+ENV_IDS = {HYBRID: f"spaces_envs:{HYBRID}", DOORKEY: f"minigrid:{DOORKEY}",
+           EMPTY: f"minigrid:{EMPTY}"}
+OUR_ARGS = {BLACKJACK: BLACKJACK_ARGS, HYBRID: HYBRID_ARGS, DOORKEY: DOORKEY_ARGS, EMPTY: ()}
 TESTS_DIR = REPO_ROOT / "tests"
 
 
@@ -397,7 +418,7 @@ def run_variant(variant, seed, args):
                               target=TARGET_RETURN)
     if variant == "sb3":
         return run_sb3_logged(__file__, seed, ["--env", args.env, "--steps", str(args.steps)],
-                              args, target=DOORKEY_TARGET)
+                              args, target=DOORKEY_TARGET)  # (either MiniGrid env's target)
     return run_ours(variant, seed, args)
 
 
@@ -433,9 +454,11 @@ def sb3_child(seed, out_file, total_timesteps):
     sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start)
 
 
-def doorkey_sb3_child(seed, out_file, total_timesteps):
-    """Train SB3 PPO on MiniGrid-DoorKey-5x5-v0 with the rl-baselines3-zoo's recipe for it from
-    the days of its Dict observation (rl_zoo3 1.8, hyperparams/ppo.yml: MultiInputPolicy,
+def minigrid_sb3_child(env_id, seed, out_file, total_timesteps):
+    """Train SB3 PPO on a MiniGrid env (DoorKey-5x5, Empty-Random-6x6) with the
+    rl-baselines3-zoo's recipe for MiniGrid-DoorKey-5x5-v0 from the days of its Dict observation
+    (rl_zoo3 1.8, hyperparams/ppo.yml; in rl_zoo3 2.0 the same numbers are its "minigrid-defaults"
+    for every MiniGrid env, Empty-Random-5x5 first, on a flattened observation): MultiInputPolicy,
     normalize, 8 envs, n_steps 128, batch 64, 10 epochs, gamma 0.99, GAE lambda 0.95, clip 0.2, no
     entropy bonus, learning rate 2.5e-4); SB3 cannot take the Text-like mission leaf, so
     gymnasium's FilterObservation keeps "image" and "direction" (the zoo's later recipe flattens
@@ -451,7 +474,7 @@ def doorkey_sb3_child(seed, out_file, total_timesteps):
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.vec_env import VecNormalize
 
-    env = make_vec_env(DOORKEY, n_envs=8, seed=seed,
+    env = make_vec_env(env_id, n_envs=8, seed=seed,
                        wrapper_class=lambda env: FilterObservation(env, ["image", "direction"]))
     env = VecNormalize(env, norm_obs_keys=["image"], gamma=0.99)
     model = PPO("MultiInputPolicy", env, n_steps=128, batch_size=64, n_epochs=10, gamma=0.99,
@@ -522,7 +545,8 @@ def play_random(args):
 
 # (ours, the reference, the reference's name in the ratio line) per env with a table of seconds
 TIMED = {ENV: ("masks", "maskable", "MaskablePPO's mean seconds to {target} / ours with masks"),
-         DOORKEY: ("ours", "sb3", "SB3 PPO's mean seconds to {target} / ours")}
+         DOORKEY: ("ours", "sb3", "SB3 PPO's mean seconds to {target} / ours"),
+         EMPTY: ("ours", "sb3", "SB3 PPO's mean seconds to {target} / ours")}
 
 
 def time_table(args):
@@ -767,7 +791,8 @@ def hybrid_report(args):
 DEFAULTS = {ENV: (200_000, 1800.0, "spaces_taxi_learning.png"),
             BLACKJACK: (300_000, 900.0, "spaces_blackjack_learning.png"),
             HYBRID: (100_000, 900.0, "spaces_hybrid_learning.png"),
-            DOORKEY: (300_000, 1800.0, "spaces_doorkey_learning.png")}
+            DOORKEY: (300_000, 1800.0, "spaces_doorkey_learning.png"),
+            EMPTY: (100_000, 1800.0, "spaces_empty_learning.png")}
 
 
 def parse_args():
@@ -814,8 +839,10 @@ def main():
     bench = BENCHES[args.env]
     if args.sb3_child:
         seed, out_file = args.sb3_child
-        child = doorkey_sb3_child if args.env == DOORKEY else sb3_child
-        child(int(seed), out_file, args.steps)
+        if args.env in MINIGRID:
+            minigrid_sb3_child(args.env, int(seed), out_file, args.steps)
+        else:
+            sb3_child(int(seed), out_file, args.steps)
         return
     if args.env == HYBRID:  # our script and gymnasium find spaces_envs on the path
         sys.path.insert(0, str(TESTS_DIR))
@@ -828,7 +855,7 @@ def main():
                     sb3=bool({"maskable", "sb3"} & set(args.variants)))
         if "maskable" in args.variants:
             check_installed("sb3-contrib", "pip install -r benchmarks/requirements.txt")
-        if args.env == DOORKEY:
+        if args.env in MINIGRID:
             check_installed("minigrid", "pip install -r benchmarks/requirements.txt")
         run_learning(bench, args, run_variant, play_random)  # ends with learning_report
     if args.env in TIMED:

@@ -116,6 +116,16 @@ class GridEnv(gym.Env):
         return self.draw(), reward, False, False, {}
 
 
+class CodeGridEnv(GridEnv):
+    """GridEnv with MiniGrid's kind of image: the lit cell holds code 2 (MiniGrid's codes are 0-10 in
+    a Box declared 0-255), not 255. An image normalised by its declared range would show it as 0.008."""
+
+    def draw(self):
+        obs = super().draw()
+        obs["image"][self.goal, self.goal] = 2
+        return obs
+
+
 class FlawedEnv(gym.Env):
     """An env that breaks its own declared spaces at its third step (or step `at` of an episode), as
     `flaw` says: "dtype" (a float64 position), "shape", "key" (the Dict without "count"), "bounds"
@@ -200,6 +210,7 @@ gym.register("TestHybrid-v0", entry_point=HybridEnv)
 gym.register("TestObservedMask-v0", entry_point=ObservedMaskEnv, max_episode_steps=10)
 gym.register("TestInfoMask-v0", entry_point=InfoMaskEnv, max_episode_steps=10)
 gym.register("TestGrid-v0", entry_point=GridEnv, max_episode_steps=5)
+gym.register("TestCodeGrid-v0", entry_point=CodeGridEnv, max_episode_steps=5)
 gym.register("TestWrongMask-v0", entry_point=WrongMaskEnv, max_episode_steps=10)
 gym.register("TestTextAction-v0", entry_point=TextActionEnv)
 for flaw in ("dtype", "shape", "key", "bounds", "reward", "start"):

@@ -119,8 +119,9 @@ def test_the_encoder_reads_each_leaf_by_its_kind_and_leaves_text_out():
     sizes = {path[0]: size for (path, _), size in zip(observed, encoder.sizes)}
     assert sizes == {"image": 147, "direction": 1, "position": 3, "bits": 2}
     assert encoder.features == 16 + 4 + 3 + 2
-    start = sum(encoder.sizes[:[path for path, _ in observed].index(("position",))])
-    assert encoder.vector_columns == [start, start + 1, start + 2]  # only the Box vector is normalised
+    starts = dict(zip([path[0] for path, _ in observed], np.cumsum(encoder.sizes) - encoder.sizes))
+    box = [*range(starts["image"], starts["image"] + 147), *range(starts["position"], starts["position"] + 3)]
+    assert encoder.box_columns == sorted(box)  # the Box leaves, vector and image, are normalised
     values = {"image": np.zeros((7, 7, 3)), "direction": 2, "position": [1, 2, 3], "bits": [1, 0]}
     features = encoder(observation_of([values[path[0]] for path, _ in observed]))[0]
     assert features.shape == (encoder.features,)
@@ -237,7 +238,7 @@ def test_a_truncated_episode_is_bootstrapped_from_its_final_observation_and_a_te
     # TestCount-v0 (tests/conftest.py) is truncated after 3 steps, when its observation is [3].
     main = ps.Main(small_config(tmp_path / "count", env="TestCount-v0", num_envs=2, num_steps=7,
                                 total_timesteps=14, num_minibatches=1, update_epochs=1,
-                                normalize_observations=False))
+                                normalize_observations=False, scale_rewards=False))  # raw: 1 a step
     calls, value = [], ps.Model.value
 
     def value_recording(model, obs):
@@ -265,7 +266,7 @@ def test_the_model_s_running_statistics_merge_exactly_and_normalise_only_the_box
     obs_space = spaces.Dict({"mode": spaces.Discrete(3), "target": spaces.Box(-9, 9, (2,), np.float32)})
     model = ps.Model(obs_space, spaces.Discrete(2), hidden_size=8, normalize=True, obs_clip=3.0)
     stats = model.obs_stats
-    assert model.encoder.vector_columns == [1, 2] and {"obs_stats.mean", "obs_stats.var", "obs_stats.count"} <= set(
+    assert model.encoder.box_columns == [1, 2] and {"obs_stats.mean", "obs_stats.var", "obs_stats.count"} <= set(
         model.state_dict())  # saved with the weights: part of the policy
     rows = torch.from_numpy(np.random.default_rng(0).normal(2.0, 3.0, (17, 3)).astype(np.float32))
     rows[:, 0] = torch.randint(0, 3, (17,)).float()
@@ -282,6 +283,45 @@ def test_the_model_s_running_statistics_merge_exactly_and_normalise_only_the_box
     assert all(torch.equal(before[key], value) for key, value in stats.state_dict().items())
     off = ps.Model(obs_space, spaces.Discrete(2), hidden_size=8)  # --no-normalize-observations
     assert off.obs_stats.normalize(rows) is rows and float(off.obs_stats.count) == pytest.approx(1e-4)
+
+
+def test_an_image_is_standardised_number_by_number_as_a_box_vector_is_and_read_as_pixels_without():
+    # MiniGrid's kind of image: codes 0-10 in a Box declared 0-255 (divided by 255, all near 0).
+    obs_space = spaces.Dict({"direction": spaces.Discrete(4), "image": spaces.Box(0, 255, (3, 3, 2), np.uint8)})
+    model = ps.Model(obs_space, spaces.Discrete(3), hidden_size=8, normalize=True)
+    assert model.encoder.box_columns == list(range(1, 19)) and model.encoder.encoders[1].divisor == 1.0
+    codes = torch.randint(0, 11, (64, 18), generator=torch.Generator().manual_seed(0)).float()
+    rows = torch.cat([torch.randint(0, 4, (64, 1)).float(), codes], 1)
+    normalised = model.obs_stats.normalize(rows)
+    assert torch.equal(normalised[:, 0], rows[:, 0])  # the direction is one-hot encoded instead
+    mean, std = codes.double().mean(0), codes.double().std(0, correction=0)
+    assert torch.allclose(normalised[:, 1:], ((codes - mean) / std).float(), atol=1e-3)  # each number its own
+    # --no-normalize-observations: pixels, divided by 255 (the same CNN, fed x / 255, gives the same features).
+    pixels = ps.Model(obs_space, spaces.Discrete(3), hidden_size=8)
+    assert not pixels.obs_stats.active and pixels.encoder.encoders[1].divisor == 255.0
+    pixels.load_state_dict(model.state_dict())
+    image = rows[:4, 1:]
+    assert torch.allclose(pixels.encoder.encoders[1](image * 255), model.encoder.encoders[1](image), atol=1e-5)
+
+
+def test_rewards_are_divided_by_the_running_std_of_the_discounted_return_which_restarts_after_an_end():
+    stats, gamma = ps.RunningMeanStd([0], clip=10.0), 0.9
+    returns = torch.zeros(2, dtype=torch.float64)  # R of each of 2 games
+    rewards, ended = [[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]], [[False, True], [False, False], [True, False]]
+    expected_returns, seen = np.zeros(2), []
+    for reward, end in zip(rewards, ended):
+        scaled = stats.scale(torch.tensor(reward), returns, torch.tensor(end), gamma)
+        expected_returns = gamma * expected_returns + np.array(reward)
+        seen += expected_returns.tolist()  # every game's R of every step so far
+        assert scaled.tolist() == pytest.approx((np.array(reward) / np.std(seen)).tolist(), rel=1e-3)
+        expected_returns[np.array(end)] = 0.0  # a new episode's R starts from 0
+        assert returns.tolist() == pytest.approx(expected_returns.tolist())
+    assert float(stats.count) == pytest.approx(1e-4 + 6)
+    stats.count.fill_(1e6), stats.var.fill_(1e-6)  # a long run of returns near 0: the first reward is huge
+    huge = stats.scale(torch.tensor([1.0, 0.0]), returns.zero_(), torch.tensor([False, False]), gamma)
+    assert huge.tolist() == [10.0, 0.0]  # clipped, as SB3's VecNormalize clips
+    off, reward = ps.RunningMeanStd([0], active=False), torch.tensor([5.0, 1.0])  # --no-scale-rewards
+    assert off.scale(reward, returns, torch.tensor([False, False]), gamma) is reward
 
 
 # ----- the spec check --------------------------------------------------------------------------------
@@ -397,12 +437,15 @@ def test_a_user_env_by_module_name_and_the_normaliser_in_the_checkpoint(tmp_path
 def test_a_checkpoint_of_the_earlier_hand_written_adam_and_normalizer_resumes_as_the_same_learner(tmp_path):
     # Before torch.optim.Adam and the Model's `obs_stats`, a checkpoint held {"steps", "lr", "exp_avg",
     # "exp_avg_sq"} and the statistics apart ("normalizer"): resumed, it trains on exactly as today's.
-    ps.Main(small_config(tmp_path, env="TestHybrid-v0")).run()  # into tmp_path / "run"
+    ps.Main(small_config(tmp_path, env="TestHybrid-v0", scale_rewards=False)).run()  # into tmp_path / "run"
     (tmp_path / "run").rename(tmp_path / "new")
     checkpoint = torch.load(tmp_path / "new" / "checkpoint.pt", weights_only=True)
     optimizer, weights = checkpoint["optimizer"], checkpoint["model"]
     moments = [optimizer["state"][i] for i in range(len(optimizer["state"]))]
-    old = {**checkpoint, "model": {k: v for k, v in weights.items() if not k.startswith("obs_stats.")},
+    # ... and before the rewards were scaled: no return_stats, no --scale-rewards (it resumes unscaled).
+    config = {key: value for key, value in checkpoint["config"].items() if key != "scale_rewards"}
+    old = {**checkpoint, "config": config,
+           "model": {k: v for k, v in weights.items() if not k.startswith(("obs_stats.", "return_stats."))},
            "normalizer": {"obs": {key: weights[f"obs_stats.{key}"] for key in ("count", "mean", "var")}},
            "optimizer": {"steps": int(moments[0]["step"]), "lr": optimizer["param_groups"][0]["lr"],
                          "exp_avg": [m["exp_avg"] for m in moments], "exp_avg_sq": [m["exp_avg_sq"] for m in moments]}}
@@ -412,6 +455,7 @@ def test_a_checkpoint_of_the_earlier_hand_written_adam_and_normalizer_resumes_as
         ps.Main(ps.Config(resume=str(tmp_path / folder), total_timesteps=256, device="cpu")).run()
     new, resumed = (torch.load(tmp_path / folder / "checkpoint.pt", weights_only=True) for folder in ("new", "old"))
     assert resumed["global_step"] == new["global_step"] == 256 and "normalizer" not in resumed
+    assert resumed["config"]["scale_rewards"] is False and float(resumed["model"]["return_stats.count"]) == 1e-4
     assert all(torch.equal(resumed["model"][key], value) for key, value in new["model"].items())
     for mine, theirs in zip(resumed["optimizer"]["state"].values(), new["optimizer"]["state"].values()):
         assert all(torch.equal(mine[key], theirs[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
@@ -529,8 +573,10 @@ def test_under_torchrun_two_ranks_train_one_policy(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 256
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    # Both ranks' observations merged into one set of statistics: 2 ranks x 4 games x (2 x 16 + 1).
+    # Both ranks' observations merged into one set of statistics: 2 ranks x 4 games x (2 x 16 + 1);
+    # their discounted returns too (2 ranks x 4 games x 32 steps); the ranks' weights are checked equal.
     assert float(checkpoint["model"]["obs_stats.count"]) == pytest.approx(1e-4 + 2 * 4 * 33)
+    assert float(checkpoint["model"]["return_stats.count"]) == pytest.approx(1e-4 + 2 * 4 * 32)
 
 
 def test_pasted_into_a_notebook_cell_it_defines_everything_and_starts_nothing(tmp_path):
@@ -581,6 +627,15 @@ def test_learns_a_multibinary_action_and_plays_pendulum_s_box_action(tmp_path):
     assert summary["mean_return_100"] >= 0.95, summary
     pendulum = ps.Main(small_config(tmp_path / "pendulum", env="Pendulum-v1", total_timesteps=256)).run()
     assert pendulum["steps"] == 256 and pendulum["episodes"] == 0  # (200 steps an episode; 4 games)
+
+
+def test_learns_from_an_image_of_small_codes_as_minigrid_s(tmp_path):
+    # TestCodeGrid-v0 (tests/spaces_envs.py): the lit cell of a 0-255 image holds code 2; its action pays 1 a
+    # step, 5 steps an episode: the optimum is 5, random play 5/3. Standardised, the code stands out: the
+    # defaults learn it (divided by 255 instead, as before, the return stays near 5/3 in this budget).
+    summary = ps.Main(ps.Config(env="TestCodeGrid-v0", seed=1, total_timesteps=16_384, target_return=4.5,
+                                device="cpu", run_dir=str(tmp_path))).run()
+    assert summary["solved_step"] is not None, summary
 
 
 def test_the_default_taxi_with_its_masks_reaches_a_mean_return_of_7(tmp_path):
