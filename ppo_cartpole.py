@@ -33,31 +33,43 @@ def option(default, help, check=None):  # a Config field, its --help line, its v
     return dataclasses.field(default=default, metadata={"help": help, "check": check})
 
 
+# A Config field left at None takes its env's preset (CartPole-v1's wins the race to solve it) or,
+# for an env without one or with --no-preset, the general setting, which learns every game this
+# script is for: LunarLander, Acrobot, MountainCar (benchmarks/README.md, "cartpole_envs.py").
+PRESET_FIELDS = ("learning_rate", "gamma", "num_minibatches", "update_epochs", "ent_coef",
+                 "normalize_observations", "num_envs", "num_steps")
+GENERAL_SETTING = dict(zip(PRESET_FIELDS, (3e-4, 0.99, 32, 10, 0.0, True, 16, 128)))
+PRESETS = {"CartPole-v1": dict(zip(PRESET_FIELDS, (8e-3, 0.98, 2, 8, 0.0, False, 64, 32)))}
+
+
 @dataclasses.dataclass
 class Config:
-    """Every setting, each a flag (num_envs: --num-envs); defaults solve CartPole-v1 fastest."""
+    """Every setting, each a flag (num_envs: --num-envs). None: the env's preset (just above)."""
 
     # PPO's hyperparameters.
-    learning_rate: float = option(8e-3, "Adam's step size, annealed linearly to 0", "> 0")
+    learning_rate: Optional[float] = option(None, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.98, "discount: 0.98 looks ~50 steps ahead, enough for a pole", "(0, 1]")
+    gamma: Optional[float] = option(None, "discount: looks ~1 / (1 - gamma) steps ahead", "(0, 1]")
     gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
-    num_minibatches: int = option(2, "minibatches each rollout is split into", "> 0")
-    update_epochs: int = option(8, "passes over each rollout", "> 0")
+    num_minibatches: Optional[int] = option(None, "minibatches each rollout is split into", "> 0")
+    update_epochs: Optional[int] = option(None, "passes over each rollout", "> 0")
     clip_coef: float = option(0.2, "PPO's clip range for the probability ratio", "> 0")
     clip_value_loss: bool = option(False, "clip the value update too (off: slower on CartPole)")
-    ent_coef: float = option(0.0, "weight of the entropy bonus (0.01 solved no faster)", ">= 0")
+    ent_coef: Optional[float] = option(None, "weight of the entropy bonus", ">= 0")
     vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
     max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
     target_kl: Optional[float] = option(None, "stop an update's epochs at this approx KL", "> 0")
     hidden_size: int = option(64, "units in each of the two hidden layers of both MLPs", "> 0")
+    normalize_observations: Optional[bool] = option(None, "normalise observations by running stats")
+    obs_clip: float = option(10.0, "clip normalised observations to +-this", "> 0")
 
     # Collecting experience.
     env: str = option("CartPole-v1", "gymnasium id: vector observations, discrete actions")
-    num_envs: int = option(64, "games played side by side (by each rank, under torchrun)", "> 0")
+    preset: bool = option(True, "the env's preset where it has one (off: the general setting)")
+    num_envs: Optional[int] = option(None, "games played side by side (by each rank)", "> 0")
     # 0: stepping 64 vectorised poles takes less time than a pipe round trip to a child process.
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
-    num_steps: int = option(32, "steps per game in a rollout of num_envs * num_steps", "> 0")
+    num_steps: Optional[int] = option(None, "steps per game in each rollout", "> 0")
 
     # The run.
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
@@ -74,6 +86,20 @@ class Config:
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than solving CartPole)")
     env_backend: str = option("vector", "vector (gymnasium's CartPole) | game (the lesson's Game)")
+
+
+def preset_of(config: Config) -> tuple:
+    """(its name, its settings): what the fields of `config` left at None take."""
+    if config.preset and config.env in PRESETS:
+        return f"{config.env}'s preset", PRESETS[config.env]
+    return "the general setting", GENERAL_SETTING
+
+
+def with_preset(config: Config) -> Config:
+    """The config with each field left at None set to its env's preset (or the general setting)."""
+    settings = preset_of(config)[1]
+    return dataclasses.replace(config, **{name: value for name, value in settings.items()
+                                          if getattr(config, name) is None})
 
 
 def parse_config(argv=None) -> Config:
@@ -97,8 +123,13 @@ def parse_config(argv=None) -> Config:
     parser.error = refuse
     for flag, f in flags.items():
         kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
-        valid = f" (valid: {f.metadata['check']})" if f.metadata["check"] else ""
-        parser.add_argument(flag, default=f.default, help=f.metadata["help"] + valid,
+        line, default = f.metadata["help"], f.default
+        line += f" (valid: {f.metadata['check']})" if f.metadata["check"] else ""
+        if f.name in PRESET_FIELDS:  # its value by env (Config keeps None; --help adds no default)
+            by_env = [f"{env} {settings[f.name]}" for env, settings in PRESETS.items()]
+            line += f" (default: {', '.join(by_env)}, other envs {GENERAL_SETTING[f.name]})"
+            default = argparse.SUPPRESS
+        parser.add_argument(flag, default=default, help=line,
                             **({"action": argparse.BooleanOptionalAction} if kind is bool else
                                {"type": whole_number if kind is int else kind}))
     return Config(**vars(parser.parse_args(argv)))
@@ -215,6 +246,42 @@ class Worker:
         self.process.join()
 
 
+class RunningMeanStd(nn.Module):
+    """The count, mean and variance of each observation entry over all seen so far (float64), to
+    normalise what the policy sees (37 details, continuous-action #6-#7): MountainCar's velocity is
+    20 times smaller than its position. The Model's, frozen by --eval; from count 1e-4, mean 0,
+    variance 1, as CleanRL's and SB3's. A batch merges in by Chan et al.'s formula (1979), exact for
+    any split (n = n_a + n_b, delta = mean_b - mean_a): mean = mean_a + delta n_b / n,
+    var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n. Off: a pass-through."""
+
+    def __init__(self, shape: tuple, active: bool = True):
+        super().__init__()
+        self.active, float64 = active, torch.float64
+        self.register_buffer("mean", torch.zeros(shape, dtype=float64), persistent=False)
+        self.register_buffer("var", torch.ones(shape, dtype=float64), persistent=False)
+        self.register_buffer("count", torch.tensor(1e-4, dtype=float64), persistent=False)
+
+    def update(self, batch: torch.Tensor):  # a batch [n, *shape] of numbers
+        var, mean = torch.var_mean(batch.to(torch.float64), dim=0, correction=0)
+        self.merge(float(len(batch)), mean, var)
+
+    def merge(self, count: float, mean: torch.Tensor, var: torch.Tensor):  # in place
+        total = self.count + count  # (a tensor: addcmul_ is add_ by alpha, without a GPU sync)
+        delta = mean - self.mean
+        self.var.mul_(self.count / total).addcmul_(var, count / total)
+        self.var.addcmul_(delta.square(), self.count * count / total ** 2)
+        self.mean.addcmul_(delta, count / total)
+        self.count.copy_(total)
+
+    def normalize(self, obs: torch.Tensor, clip: float, update: bool = True) -> torch.Tensor:
+        """(obs - mean) / std, this batch included (`update`); then clipped to [-clip, clip]."""
+        if not self.active:
+            return obs
+        if update:
+            self.update(obs)
+        return ((obs - self.mean) / (self.var + 1e-8).sqrt()).clamp(-clip, clip).to(torch.float32)
+
+
 def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
     """Orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2) for hidden layers,
     0.01 for the policy output so that all actions start equally likely, 1 for the value)."""
@@ -229,9 +296,11 @@ class Model(nn.Module):
     several dimensions (MultiDiscrete, MultiBinary) has a categorical per dimension, and its
     log-probability (entropy) is the sum over them (37 details, #23). A binary dimension with logit
     l is a categorical over {0, 1} with logits (0, l); dimensions with fewer choices than the
-    largest are padded with logits of -1e9 (probability 0; 0 * log-probability stays 0)."""
+    largest are padded with logits of -1e9 (probability 0; 0 * log-probability stays 0). It holds
+    the running statistics of the observations: they are the policy's too."""
 
-    def __init__(self, obs_size: int, action_dims: list, binary: bool, hidden_size: int = 64):
+    def __init__(self, obs_size: int, action_dims: list, binary: bool, hidden_size: int = 64,
+                 normalize_observations: bool = False):
         super().__init__()
         self.action_dims, self.binary, self.num_choices = action_dims, binary, max(action_dims)
         outputs = len(self.action_dims) if binary else len(self.action_dims) * self.num_choices
@@ -239,6 +308,7 @@ class Model(nn.Module):
             layer(obs_size, hidden_size), nn.Tanh(), layer(hidden_size, hidden_size), nn.Tanh(),
             layer(hidden_size, out_size, gain=gain))
         self.critic, self.actor = mlp(1, 1.0), mlp(outputs, 0.01)
+        self.obs_stats = RunningMeanStd((obs_size,), active=normalize_observations)
         padding = [[0.0] * n + [-1e9] * (self.num_choices - n) for n in self.action_dims]
         self.register_buffer("logit_padding", torch.tensor(padding))
 
@@ -451,8 +521,9 @@ class Run:
         self.returns, self.updates, self.solved_step = deque(maxlen=100), 0, None
 
     def __enter__(self) -> "Run":
-        """Seed torch's draws (sampling, shuffling), pick the device, read the Model's sizes."""
-        config, self.start_time = self.config, time.perf_counter()
+        """The env's preset; seed torch's draws (sampling, shuffling); the device; the sizes."""
+        config = self.config = self.main.config = with_preset(self.config)
+        self.start_time = time.perf_counter()
         torch.manual_seed(config.seed)
         cuda = config.device != "cpu" and torch.cuda.is_available()
         self.device, self.steps_per_step = torch.device("cuda" if cuda else "cpu"), config.num_envs
@@ -504,7 +575,8 @@ class Main:
     One iteration (37 details, #6): num_steps steps in every game, GAE, update_epochs passes."""
 
     def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
-        self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
+        self.config, self.guard = config, None
+        self.anneal_from = (0, with_preset(config).learning_rate)
 
     def run(self) -> dict:
         # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
@@ -512,15 +584,17 @@ class Main:
         return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
     def train(self, run_class: type) -> dict:
-        self.guard = run_class(self)  # seeds, the games, the progress line, the summary
+        self.guard = run_class(self)  # the env's preset, seeds, the games, progress, summary
         with self.guard as guard:
-            config = self.config  # (the checkpoint's settings, when resuming)
-            self.model = Model(guard.obs_size, guard.action_dims, guard.binary, config.hidden_size)
+            config = self.config  # (with the preset; the checkpoint's settings, when resuming)
+            self.model = Model(guard.obs_size, guard.action_dims, guard.binary, config.hidden_size,
+                               config.normalize_observations)
             self.trainer = Trainer(self.model.to(guard.device), config)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, len(guard.action_dims), guard.device)
-            next_obs = self.games.observations().to(guard.device)
+            next_obs = self.model.obs_stats.normalize(self.games.observations().to(guard.device),
+                                                      config.obs_clip)
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
                 next_obs = self.collect_rollout(next_obs)  # 1. play with the current policy
@@ -543,6 +617,7 @@ class Main:
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
         """Play num_steps steps in every game, filling the rollout; returns the next observation."""
         config, rollout, device, ended = self.config, self.rollout, self.guard.device, []
+        obs_stats = self.model.obs_stats  # (off: observations pass through as they are)
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C
                 break
@@ -550,14 +625,15 @@ class Main:
             actions, rollout.log_probs[step], rollout.values[step] = self.model.act(next_obs)
             rollout.actions[step] = actions
             result = self.games.step(actions.cpu().numpy())
-            next_obs = self.games.observations().to(device)
+            next_obs = obs_stats.normalize(self.games.observations().to(device), config.obs_clip)
             rewards = torch.from_numpy(result.rewards).to(device)
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
             # last reward gets gamma * V(final observation); then `dones` cuts GAE at both ends.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
                 cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
-                rewards[cut] += config.gamma * self.model.value(cut_obs.to(device))
+                cut_obs = obs_stats.normalize(cut_obs.to(device), config.obs_clip, update=False)
+                rewards[cut] += config.gamma * self.model.value(cut_obs)
             rollout.rewards[step] = rewards
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated).to(device)
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
@@ -976,6 +1052,24 @@ class Ranks:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
+
+def merge_over_ranks(ranks: Ranks, stats: RunningMeanStd, before: dict):
+    """Under torchrun, after each rollout: every rank's share is what its statistics gained since
+    `before` (Chan's formula, inverted); all merge all shares into `before`, in rank order, so
+    that every rank normalises with the statistics of all ranks' observations."""
+    if not ranks.distributed or not stats.active:
+        return
+    old_count, count = float(before["count"]), float(stats.count)
+    own = count - old_count
+    own_mean = before["mean"] + (stats.mean - before["mean"]) * (count / own if own else 0.0)
+    delta = own_mean - before["mean"]
+    squares = (stats.var * count - before["var"] * old_count
+               - delta.square() * old_count * own / count)
+    own_var = squares / own if own else torch.zeros_like(squares)
+    load_statistics(stats, before)
+    for share, mean, var in ranks.gather((own, own_mean.cpu(), own_var.cpu())):
+        stats.merge(share, mean.to(stats.mean.device), var.to(stats.var.device))
+
 # ----- RunGuard: set-up, Ctrl-C, failures, logging, the summary -----------------------------------
 
 
@@ -1029,7 +1123,7 @@ class RunGuard(Run):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
         check_settings(self.config)
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
-        config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
+        config = resumed_config(self.checkpoint, self.config)  # (and the env's preset)
         check_settings(config)
         self.obs_size, self.action_dims, self.binary = inspect_env(config.env)
         # The rollout: an observation and 5 numbers a step; an update makes about 2 copies more.
@@ -1087,7 +1181,10 @@ class RunGuard(Run):
     def after_rollout(self, ended: list):
         """Record the episodes that ended in the rollout; raise Interrupted if asked to stop. Under
         torchrun the ranks meet here once per rollout: each learns every rank's episodes, in the
-        same order (by step, then rank), and whether any was asked to stop."""
+        same order (by step, then rank), and whether any was asked to stop; each rank merges all
+        ranks' observations of the rollout into its statistics."""
+        merge_over_ranks(self.ranks, self.main.model.obs_stats,
+                         self.last_good_learner["normalizer"]["obs"])
         shared = self.ranks.gather((ended, self.stop_signal))
         for step, episode in sorted((item for rank_ended, _ in shared for item in rank_ended),
                                     key=lambda step_and_episode: step_and_episode[0]):
@@ -1213,13 +1310,13 @@ class RunLog:
                    if self.last_step != config.total_timesteps else "")
         self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
                  f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
-        changed = [(f.name.replace("_", "-"), getattr(config, f.name))
-                   for f in dataclasses.fields(Config)
-                   if f.name != "run_dir" and getattr(config, f.name) != f.default]
-        if changed:
-            self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
-                                              if isinstance(value, bool) else f"--{flag} {value}"
-                                              for flag, value in changed))
+        preset, defaults = preset_of(config)
+        defaults = {**{f.name: f.default for f in dataclasses.fields(Config)}, **defaults}
+        changed = [(name.replace("_", "-"), getattr(config, name)) for name in defaults
+                   if name != "run_dir" and getattr(config, name) != defaults[name]]
+        flags = " ".join(f"--{'' if value else 'no-'}{flag}" if isinstance(value, bool)
+                         else f"--{flag} {value}" for flag, value in changed)
+        self.say(f"settings: {preset} (benchmarks/README.md)" + (f", and {flags}" if flags else ""))
         if self.resumed_at_step is not None:
             self.main.anneal_learning_rate()  # as the next update will: the rate it takes
             until = f", annealed to 0 by step {self.last_step:,}" if config.anneal_lr else ""
@@ -1334,10 +1431,23 @@ def learner_state(main: Main) -> dict:
         "action_dims": guard.action_dims, "binary": guard.binary,
         "config": dataclasses.asdict(main.config),
         "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
+        "normalizer": {"obs": statistics_state(main.model.obs_stats)},  # the policy's too
         "global_step": main.global_step, "updates": guard.updates,
         "anneal_from": list(main.anneal_from), "log": guard.log.state(),
         "rng": {"torch": torch.get_rng_state()},
     }
+
+
+def statistics_state(stats: RunningMeanStd) -> dict:
+    """The running statistics as a checkpoint holds them (`load_statistics` reads them back)."""
+    return {"count": stats.count, "mean": stats.mean, "var": stats.var}
+
+
+def load_statistics(stats: RunningMeanStd, state: dict):
+    """A checkpoint's running statistics (`statistics_state`) into `stats`, in place."""
+    stats.count.copy_(state["count"])
+    stats.mean.copy_(state["mean"])
+    stats.var.copy_(state["var"])
 
 
 def load_weights(model: Model, weights: dict, config: Config):
@@ -1370,6 +1480,8 @@ def load_optimizer(optimizer: Adam, saved: dict):
 def restore_learner(main: Main, state: dict):
     load_weights(main.model, state["model"], main.config)
     load_optimizer(main.trainer.optimizer, state["optimizer"])
+    if "normalizer" in state:  # (a checkpoint from before observation normalisation: none)
+        load_statistics(main.model.obs_stats, state["normalizer"]["obs"])
     main.global_step, main.guard.updates = int(state["global_step"]), int(state["updates"])
     main.anneal_from = tuple(state.get("anneal_from", (0, state["config"]["learning_rate"])))
     torch.set_rng_state(state["rng"]["torch"])
@@ -1428,21 +1540,25 @@ def load_checkpoint(path: str) -> dict:
     return {**checkpoint, "path": str(path)}
 
 
-def resumed_config(checkpoint: dict, given: Config) -> Config:
+def resumed_config(checkpoint: Optional[dict], given: Config) -> Config:
     """The settings of a resumed (or evaluated) run: the checkpoint's, except those given now
     differently from their defaults (e.g. a new --total-timesteps); the run dir is the
-    checkpoint's folder unless given. A different env or network is refused."""
+    checkpoint's folder unless given. A different env or network is refused. Without a
+    checkpoint: the given settings, with the env's preset."""
+    if checkpoint is None:
+        return with_preset(given)
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
+    saved.setdefault("normalize_observations", False)  # (a checkpoint from before it existed)
     typed = getattr(given, "typed", None)  # the command line's flags (None: Config(...) in code)
     changed = {f.name: getattr(given, f.name) for f in fields
                if (f.name in typed if typed is not None else getattr(given, f.name) != f.default)}
-    for name in ("env", "hidden_size"):
+    for name in ("env", "hidden_size", "normalize_observations"):  # what the weights are made for
         if name in changed and changed[name] != saved.get(name):
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
                              f"{saved.get(name)}, not {changed[name]}")
-    return Config(**{**saved, **changed})
+    return with_preset(Config(**{**saved, **changed}))
 
 # ----- Evaluation and video -----------------------------------------------------------------------
 
@@ -1453,8 +1569,10 @@ def evaluate_checkpoint(given: Config) -> dict:
     check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
-    model = Model(*inspect_env(config.env), config.hidden_size)
+    model = Model(*inspect_env(config.env), config.hidden_size, config.normalize_observations)
     load_weights(model, checkpoint["model"], config)
+    if "normalizer" in checkpoint:  # (a checkpoint from before observation normalisation: none)
+        load_statistics(model.obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
     game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
     video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
@@ -1462,7 +1580,9 @@ def evaluate_checkpoint(given: Config) -> dict:
         while len(returns) < config.eval_episodes:
             if config.video:
                 video = write_frame(video, game, path)
-            actions, _, _ = model.act(torch.from_numpy(obs)[None], greedy=config.greedy)
+            seen = model.obs_stats.normalize(torch.from_numpy(obs)[None], config.obs_clip,
+                                             update=False)
+            actions, _, _ = model.act(seen, greedy=config.greedy)
             obs, _, _, _, info = game.step(actions[0].numpy())
             if "episode" in info:
                 returns.append(float(info["episode"]["return"]))
@@ -1529,6 +1649,7 @@ def refuse_what_will_not_fit(needed: int, what: str):
 def check_settings(config: Config):
     """Refuse settings that cannot work, in one line that says what to change: a number outside
     the range its Config field names, or not finite; flags that make no sense together."""
+    config = with_preset(config)  # (a field left at None: its value for the env)
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
@@ -1575,6 +1696,12 @@ def inspect_env(env_id: str):
         close = " or ".join(difflib.get_close_matches(registered, list(gym.registry), cutoff=0.6))
         hint = f"; did you mean {close}?" if close else "; see gymnasium.pprint_registry()"
         raise UsageError(f"unknown env {env_id!r}{hint}")
+    try:
+        if "box2d" in str(gym.spec(registered).entry_point):  # LunarLander and Box2D's others
+            import Box2D  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{env_id} runs on Box2D, which is not installed: "
+                         f"pip install \"gymnasium[box2d]\"") from None
     try:
         game = Game(env_id, seed=0)
     except Exception as error:

@@ -10,7 +10,7 @@ import ppo_cartpole as pc
 
 
 def ppo_loss(ratios, raw_advantages=(1.0, -1.0), **changes):
-    config = pc.Config(**changes)
+    config = pc.with_preset(pc.Config(**changes))  # (CartPole-v1's preset: no entropy bonus)
     new_log_prob = torch.log(torch.tensor(ratios))
     old_log_prob = torch.zeros(2)
     new_value, old_value, returns = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 2.5]), torch.tensor([2.0, 2.0])
@@ -195,7 +195,8 @@ def test_cartpole_v0_keeps_its_time_limit():
 def test_truncated_episodes_are_bootstrapped_from_the_final_observation(tmp_path):
     # TestCount-v0 is truncated after 3 steps, when its observation is [3]: one rollout of 7 steps
     main = pc.Main(pc.Config(env="TestCount-v0", num_envs=2, num_steps=7, total_timesteps=14,
-                             num_minibatches=1, update_epochs=1, run_dir=str(tmp_path)))
+                             num_minibatches=1, update_epochs=1, normalize_observations=False,
+                             run_dir=str(tmp_path)))  # (raw observations: [3] is the final one)
     values_of_final_obs = []
     value = pc.Model.value
 
@@ -235,3 +236,81 @@ def test_command_line_flags_come_from_config():
     config = pc.parse_config(["--env", "Acrobot-v1", "--num-envs", "8", "--no-anneal-lr", "--target-kl", "0.02"])
     assert (config.env, config.num_envs, config.anneal_lr, config.target_kl) == ("Acrobot-v1", 8, False, 0.02)
     assert pc.parse_config([]) == pc.Config()
+
+
+def test_the_preset_fills_only_the_fields_left_at_none():
+    assert {name: getattr(pc.with_preset(pc.Config()), name) for name in pc.PRESET_FIELDS} == (
+        pc.PRESETS["CartPole-v1"])
+    for config in (pc.Config(preset=False), pc.Config(env="Acrobot-v1")):
+        filled = pc.with_preset(config)
+        assert {name: getattr(filled, name) for name in pc.PRESET_FIELDS} == pc.GENERAL_SETTING
+    given = pc.with_preset(pc.Config(learning_rate=1e-3, normalize_observations=True))
+    assert (given.learning_rate, given.normalize_observations) == (1e-3, True)
+    assert given.num_envs == pc.PRESETS["CartPole-v1"]["num_envs"]
+    assert pc.preset_of(pc.Config()) == ("CartPole-v1's preset", pc.PRESETS["CartPole-v1"])
+    assert pc.preset_of(pc.Config(preset=False))[0] == "the general setting"
+
+
+def test_help_gives_each_preset_field_its_default_by_env(capsys):
+    with pytest.raises(SystemExit):
+        pc.parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    general, cartpole = pc.GENERAL_SETTING["gamma"], pc.PRESETS["CartPole-v1"]["gamma"]
+    assert f"(default: CartPole-v1 {cartpole}, other envs {general})" in text
+    config = pc.parse_config(["--no-preset", "--normalize-observations"])
+    assert (config.preset, config.normalize_observations, config.gamma) == (False, True, None)
+
+
+def test_running_mean_std_merges_batches_exactly_and_normalises():
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, 3, generator=generator) * 5 + 2 for n in (7, 1, 12)]
+    whole, parts = pc.RunningMeanStd((3,)), pc.RunningMeanStd((3,))
+    whole.update(torch.cat(batches))
+    for batch in batches:
+        parts.update(batch)
+    for key in ("count", "mean", "var"):
+        torch.testing.assert_close(getattr(parts, key), getattr(whole, key))
+    data = torch.cat(batches).double()  # the prior (count 1e-4, mean 0, variance 1) barely counts
+    torch.testing.assert_close(whole.mean, data.mean(0), rtol=0, atol=1e-4)
+    torch.testing.assert_close(whole.var, data.var(0, correction=0), rtol=1e-4, atol=1e-4)
+    obs = torch.tensor([[2.0, 2.0, 1e6]])
+    normalized = whole.normalize(obs, clip=10.0, update=False)
+    expected = ((obs.double() - whole.mean) / (whole.var + 1e-8).sqrt()).clamp(-10, 10).float()
+    assert torch.equal(normalized, expected) and normalized[0, 2] == 10.0
+    assert whole.count.item() == pytest.approx(20 + 1e-4)  # update=False: not merged
+    off = pc.RunningMeanStd((3,), active=False)
+    assert off.normalize(obs, clip=10.0) is obs and off.count.item() == 1e-4
+
+
+def test_merge_over_ranks_gives_every_rank_the_statistics_of_all():
+    generator = torch.Generator().manual_seed(1)
+    first, own, others = (torch.randn(n, 2, generator=generator) * 3 + 1 for n in (5, 8, 6))
+    before = pc.RunningMeanStd((2,))
+    before.update(first)
+    before_state = {key: value.clone() for key, value in pc.statistics_state(before).items()}
+    ranks = {}
+    for name, batch in (("other", others), ("own", own)):  # each rank's statistics after a rollout
+        ranks[name] = pc.RunningMeanStd((2,))
+        pc.load_statistics(ranks[name], before_state)
+        ranks[name].update(batch)
+    shares = []  # the other rank's share, as it sends it
+
+    class Gather:  # two ranks' collective: this rank's share after the other's (rank order)
+        distributed = True
+
+        def __init__(self, others):
+            self.others = others
+
+        def gather(self, share):
+            shares.append(share)
+            return [*self.others, share]
+
+    pc.merge_over_ranks(Gather([]), ranks["other"], before_state)
+    pc.merge_over_ranks(Gather(shares[:1]), ranks["own"], before_state)
+    everything = pc.RunningMeanStd((2,))
+    everything.update(torch.cat([first, others, own]))
+    for key in ("count", "mean", "var"):
+        torch.testing.assert_close(getattr(ranks["own"], key), getattr(everything, key))
+    inactive = pc.RunningMeanStd((2,), active=False)
+    pc.merge_over_ranks(Gather([]), inactive, before_state)  # off: no collective, no change
+    assert shares[2:] == [] and inactive.count.item() == 1e-4
