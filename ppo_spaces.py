@@ -45,7 +45,7 @@ class Config:
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
     gamma: float = option(0.99, "discount: 0.99 looks ~100 steps ahead, a taxi ride", "(0, 1]")
     gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
-    num_minibatches: int = option(4, "minibatches each rollout is split into", "> 0")
+    num_minibatches: int = option(16, "minibatches each rollout is split into", "> 0")
     update_epochs: int = option(4, "passes over each rollout", "> 0")
     clip_coef: float = option(0.2, "PPO's clip range for the probability ratio", "> 0")
     clip_value_loss: bool = option(False, "clip the value update too")
@@ -64,7 +64,7 @@ class Config:
     env: str = option("Taxi-v4", "gymnasium id: any nest of Box, Discrete, Multi* spaces")
     num_envs: int = option(16, "games played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
-    num_steps: int = option(128, "steps per game in a rollout of num_envs * num_steps", "> 0")
+    num_steps: int = option(32, "steps per game in a rollout of num_envs * num_steps", "> 0")
 
     # The run.
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
@@ -297,17 +297,17 @@ class OneHot(nn.Module):
 
 class ImageEncoder(nn.Module):
     """A uint8 image leaf (HWC, CHW: the channels are the shorter end; HW: one channel, last),
-    divided by `divisor`, through a CNN sized to it: 3x3 convolutions, at most three, while its
-    sides are 3 or more, stride 2 while 16 or more (MiniGrid's 7x7: 7, 5, 3, 1); a linear layer."""
+    divided by `divisor`: three 3x3 convolutions, stride 2 while its sides are 16 or more (84, 41,
+    20, 9), then a linear layer; with a side under 16 (MiniGrid's 7x7x3), the linear layer alone."""
 
     def __init__(self, shape: tuple, hidden_size: int, divisor: float = 255.0):
         super().__init__()
         self.shape, self.divisor = tuple(shape) if len(shape) == 3 else (*shape, 1), divisor
         self.channels_first, layers, self.features = self.shape[0] < self.shape[-1], [], hidden_size
         channels, *sides = self.shape if self.channels_first else self.shape[-1:] + self.shape[:2]
-        for out_channels in (32, 64, 64):
-            if min(sides) < 3:
-                break
+        # A side under 16: convolutions cannot stride, only make more numbers than the image holds
+        # (7x7x3 = 147 -> 5x5x32 = 800), for 9 in 10 of the work; SB3 flattens such images too.
+        for out_channels in (32, 64, 64) if min(sides) >= 16 else ():
             stride = 2 if min(sides) >= 16 else 1
             conv = nn.Conv2d(channels, out_channels, 3, stride)  # initialised as `layer` does
             nn.init.orthogonal_(conv.weight, math.sqrt(2))
