@@ -35,7 +35,7 @@ def option(default, help, check=None):  # a Config field, its --help line, its v
 
 # A Config field left at None takes its env's preset (CartPole-v1's wins the race to solve it) or,
 # for an env without one or with --no-preset, the general setting, which learns every game this
-# script is for: LunarLander, Acrobot, MountainCar (benchmarks/README.md, "cartpole_envs.py").
+# script is for: LunarLander, Acrobot, MountainCar (benchmarks/README.md, "beyond_default_env.py").
 PRESET_FIELDS = ("learning_rate", "gamma", "num_minibatches", "update_epochs", "ent_coef",
                  "normalize_observations", "num_envs", "num_steps")
 GENERAL_SETTING = dict(zip(PRESET_FIELDS, (3e-4, 0.99, 32, 10, 0.0, True, 16, 128)))

