@@ -214,7 +214,7 @@ def test_resume_under_torchrun_continues_from_the_checkpoint(tmp_path):
     assert resumed["optimizer"]["state"][0]["step"] == 5 * 8 * 2  # Adam went on counting
     # The total changed: the rate anneals from the one of the first run's last update (lr / 2, at
     # step GLOBAL_BATCH of 2) to 0 over the steps left; the last update started at new_total - GLOBAL_BATCH.
-    assert resumed["optimizer"]["param_groups"][0]["lr"] == pytest.approx(pc.Config().learning_rate / 2 * (1 - 2 / 3))
+    assert resumed["optimizer"]["param_groups"][0]["lr"] == pytest.approx(pc.PRESETS["CartPole-v1"]["learning_rate"] / 2 * (1 - 2 / 3))
     assert summary_of(tmp_path)["steps"] == new_total
 
 

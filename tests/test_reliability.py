@@ -158,7 +158,8 @@ def test_a_killed_worker_stops_the_run_within_seconds(script, tmp_path):
 
 
 def test_a_game_that_raises_in_a_worker_names_the_worker_the_env_and_the_error(tmp_path):
-    config = pc.Config(env="TestExplode-v0", num_envs=4, num_workers=2, num_steps=8, run_dir=str(tmp_path))
+    config = pc.Config(env="TestExplode-v0", num_envs=4, num_workers=2, num_steps=8, num_minibatches=2,
+                       run_dir=str(tmp_path))
     with pytest.raises(pc.WorkerError, match=r"worker 0 \(TestExplode-v0\) failed: RuntimeError: boom at step 5"):
         pc.Main(config).run()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4 * 4
