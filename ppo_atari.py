@@ -9,7 +9,7 @@ probability ratio rho_t = pi(a_t | s_t) / pi_old(a_t | s_t) (`Trainer.ppo_loss` 
 
 Run it:         python ppo_atari.py --env BreakoutNoFrameskip-v4   (--help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_atari.py   (data parallel: `Ranks`)
-In a notebook:  from ppo_atari import Config, Main; Main(Config(total_timesteps=50_000)).run()
+In a notebook:  Main(Config(total_timesteps=50_000)).run() (imported, or pasted down to the banner)
 """
 
 import argparse
@@ -481,7 +481,7 @@ class Run:
     rollout_class = Rollout  # (RunGuard's stores each picture once: PictureRollout)
 
     def start_games(self) -> Worker:
-        """All the games in one Worker, game i seeded with seed + i."""
+        """All the games in one Worker, game i seeded with seed + i (RunGuard's: --num-workers)."""
         shape = (self.config.num_envs, FRAME_STACK, FRAME_SIZE, FRAME_SIZE)
         obs = torch.zeros(shape, dtype=torch.uint8).share_memory_()
         self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())

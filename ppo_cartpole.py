@@ -12,7 +12,7 @@ better a_t did than the value V(s_t) expected) comes from the rewards r_t by GAE
 
 Run it:         python ppo_cartpole.py            (CartPole-v1; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_cartpole.py   (data parallel: `Ranks`)
-In a notebook:  from ppo_cartpole import Config, Main; Main(Config(total_timesteps=50_000)).run()
+In a notebook:  Main(Config(total_timesteps=50_000)).run() (imported, or pasted down to the banner)
 """
 
 import argparse
@@ -537,7 +537,7 @@ class Run:
     mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
 
     def start_games(self) -> Worker:
-        """All the games in one Worker, game i seeded with seed + i."""
+        """All the games in one Worker, game i seeded with seed + i (RunGuard's: --num-workers)."""
         obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
         self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
         return self.games

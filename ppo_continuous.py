@@ -12,7 +12,7 @@ comes from the rewards r_t by GAE (`compute_gae`). Actions are real vectors from
 
 Run it:         python ppo_continuous.py   (Pendulum-v1; --env HalfCheetah-v5: pip install mujoco)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_continuous.py  (data parallel)
-In a notebook:  from ppo_continuous import Config, Main; Main(Config()).run()   (or paste it all)"""
+In a notebook:  Main(Config()).run() (imported, or pasted down to the banner)"""
 
 import argparse
 import contextlib
@@ -527,7 +527,7 @@ class Run:
     mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
 
     def start_games(self) -> Worker:
-        """All the games in one Worker, game i seeded with seed + i."""
+        """All the games in one Worker, game i seeded with seed + i (RunGuard's: --num-workers)."""
         obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
         self.games = Worker(0, self.config.env, self.config.seed, obs.numpy(), self.device)
         return self.games

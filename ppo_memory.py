@@ -14,7 +14,7 @@ the last M steps (attention). rho_t is right only if training sees what the roll
 
 Run it:         python ppo_memory.py --memory lstm   (stateless CartPole; --help lists every flag)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_memory.py   (data parallel: `Ranks`)
-In a notebook:  from ppo_memory import Config, Main; Main(Config(total_timesteps=50_000)).run()
+In a notebook:  Main(Config(total_timesteps=50_000)).run() (imported, or pasted down to the banner)
 """
 
 import argparse
@@ -718,7 +718,7 @@ class Run:
     pooled = lambda self, moments, count: (moments, count)  # a batch's, pooled likewise
 
     def start_games(self) -> Worker:
-        """All the games in one Worker, game i seeded with seed + i."""
+        """All the games in one Worker, game i seeded with seed + i (RunGuard's: --num-workers)."""
         obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
         self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
         return self.games

@@ -15,7 +15,7 @@ agents are masked out of every loss (`Trainer`). Discrete actions: a softmax; Bo
 Run it:         python ppo_multiagent.py   (--help lists every flag; --env-kwargs N=5: 5 agents)
 Two teams:      python ppo_multiagent.py --env mpe2.simple_tag_v3  (adversary, agent; --groups)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_multiagent.py  (data parallel)
-In a notebook:  from ppo_multiagent import Config, Main; Main(Config(total_timesteps=60_000)).run()
+In a notebook:  Main(Config(total_timesteps=60_000)).run() (imported, or pasted down to the banner)
 """
 
 import argparse
@@ -665,7 +665,7 @@ class Run:
         return 0
 
     def start_games(self) -> Worker:
-        """All the envs in one Worker, env i seeded with seed + i; their rows in shared memory."""
+        """All the envs in one Worker (RunGuard's: --num-workers), env i seeded with seed + i."""
         config, groups = self.config, self.spec.groups
         obs = torch.zeros(config.num_envs * self.spec.num_agents,  # env-major, as `Rollout` reads
                           max(group.row_size for group in groups)).share_memory_()

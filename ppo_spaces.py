@@ -13,7 +13,7 @@ head of its own (`ActionHead`); an action mask gives the choices it forbids prob
 
 Run it:         python ppo_spaces.py            (Taxi-v4, with its action masks; --help lists flags)
 On N GPUs:      torchrun --standalone --nproc_per_node N ppo_spaces.py   (data parallel: `Ranks`)
-In a notebook:  from ppo_spaces import Config, Main; Main(Config(total_timesteps=50_000)).run()
+In a notebook:  Main(Config(total_timesteps=50_000)).run() (imported, or pasted down to the banner)
 """
 
 import argparse
@@ -680,7 +680,7 @@ class Run:
         return 0
 
     def start_games(self) -> Worker:
-        """All the games in one Worker, game i seeded with seed + i."""
+        """All the games in one Worker, game i seeded with seed + i (RunGuard's: --num-workers)."""
         obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
         self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
         return self.games
