@@ -25,8 +25,8 @@ GAE lambda 0.95), each run in its own subprocess:
    of the run (stopping the workers, the final checkpoint), a fraction of a second.
 2. SB3: `make_atari_env(env, n_envs=8, seed=S)` (AtariWrapper: the same DQN preprocessing) +
    `VecFrameStack(n_stack=4)`, `PPO("CnnPolicy", n_steps=128, batch_size=256, n_epochs=4, ...,
-   device="cpu")`, in a child process of this same file (`--_sb3-child`). SB3 clips the value loss
-   only when `clip_range_vf` is set: it is set to 0.1 here, as ours clips it with the ratio's range.
+   device="cpu")` (`--sb3-device cuda`: on the GPU), in a child process of this same file
+   (`--_sb3-child`). SB3 clips the value loss only when `clip_range_vf` is set: it is set to 0.1 here, as ours clips it with the ratio's range.
    A callback takes (time, num_timesteps) at the second `_on_rollout_start` (the end of the first
    rollout + update) and at `_on_training_end`; the warm-up runs from the call of `learn()` (the
    games are made before it, so SB3's warm-up holds their reset but not their creation) to the
@@ -169,7 +169,7 @@ def sb3_child(seed, out_file, args):
         max_grad_norm=MAX_GRAD_NORM,
         gamma=GAMMA,
         gae_lambda=GAE_LAMBDA,
-        device="cpu",
+        device=args.sb3_device,
         seed=seed,
         verbose=0,
     )
@@ -284,7 +284,8 @@ def run_sb3(seed, args):
     with tempfile.TemporaryDirectory(prefix=f"sb3_seed{seed}_") as tmp:
         out_file = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_sb3-child", str(seed), str(out_file),
-               "--env", args.env, "--steps", str(args.steps), "--sb3-vec-env", args.sb3_vec_env]
+               "--env", args.env, "--steps", str(args.steps), "--sb3-vec-env", args.sb3_vec_env,
+               "--sb3-device", args.sb3_device]
         returncode, wall, tail = timed_run(cmd, args.timeout, tmp)
         result = json.loads(out_file.read_text()) if out_file.exists() else None
     status = run_status(returncode, result, args.timeout, missing="no result written")
@@ -293,7 +294,7 @@ def run_sb3(seed, args):
         "implementation": "sb3",
         "variant": "sb3",
         "args": "",
-        "backend": f"CnnPolicy, {vec_env}, cpu",
+        "backend": f"CnnPolicy, {vec_env}, {args.sb3_device}",
         "compile": "off",
         "seed": seed,
         "status": status,
@@ -464,6 +465,8 @@ def parse_args():
     parser.add_argument("--sb3-vec-env", choices=["dummy", "subproc"], default="dummy",
                         help="SB3's games in its process (DummyVecEnv, make_atari_env's default) or one "
                         "process each (SubprocVecEnv)")
+    parser.add_argument("--sb3-device", choices=["cpu", "cuda"], default="cpu",
+                        help="where SB3 learns (ours: its --device, auto by default: CUDA if present)")
     parser.add_argument("--memory", action="store_true",
                         help="also measure the peak memory of ours with a long and a short rollout")
     parser.add_argument("--memory-num-envs", type=int, default=16, help="--num-envs of the memory runs")
