@@ -26,7 +26,8 @@ GAE lambda 0.95), each run in its own subprocess:
 2. SB3: `make_atari_env(env, n_envs=8, seed=S)` (AtariWrapper: the same DQN preprocessing) +
    `VecFrameStack(n_stack=4)`, `PPO("CnnPolicy", n_steps=128, batch_size=256, n_epochs=4, ...,
    device="cpu")` (`--sb3-device cuda`: on the GPU), in a child process of this same file
-   (`--_sb3-child`). SB3 clips the value loss only when `clip_range_vf` is set: it is set to 0.1 here, as ours clips it with the ratio's range.
+   (`--_sb3-child`). SB3 clips the value loss only when `clip_range_vf` is set: it is set to 0.1
+   here, as ours clips it with the ratio's range.
    A callback takes (time, num_timesteps) at the second `_on_rollout_start` (the end of the first
    rollout + update) and at `_on_training_end`; the warm-up runs from the call of `learn()` (the
    games are made before it, so SB3's warm-up holds their reset but not their creation) to the
