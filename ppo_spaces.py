@@ -45,7 +45,8 @@ class Config:
     anneal_lr: bool = option(True, "anneal the learning rate linearly to 0 over the run")
     gamma: float = option(0.99, "discount: 0.99 looks ~100 steps ahead, a taxi ride", "(0, 1]")
     gae_lambda: float = option(0.95, "GAE: bias (0) vs variance (1) of the advantage", "[0, 1]")
-    num_minibatches: int = option(16, "minibatches each rollout is split into", "> 0")
+    num_minibatches: Optional[int] = option(None, "minibatches each rollout is split into "
+                                            "(None: 4 with an image leaf, else 16)", "> 0")
     update_epochs: int = option(4, "passes over each rollout", "> 0")
     clip_coef: float = option(0.2, "PPO's clip range for the probability ratio", "> 0")
     clip_value_loss: bool = option(False, "clip the value update too")
@@ -151,6 +152,12 @@ def obs_kind(space) -> Optional[str]:
 def observed_leaves(space) -> list:  # [(path, leaf)] of the leaves that Encoder reads
     return [(path, leaf) for path, leaf in leaves(space)
             if obs_kind(leaf) and path != ("action_mask",)]
+
+
+def default_minibatches(obs_space) -> int:
+    """--num-minibatches left at None: 4 with an image leaf (cheaper, and as good on MiniGrid), else
+    16 (Taxi's masks and the hybrid action need them): benchmarks/README.md, "Any space"."""
+    return 4 if any(obs_kind(leaf) == "image" for _, leaf in observed_leaves(obs_space)) else 16
 
 
 class Game:
@@ -667,31 +674,24 @@ class Run:
         self.obs_size, self.masked = len(game.reset()), bool(game.mask_size) and config.action_mask
         self.obs_space, self.action_space = game.env.observation_space, game.env.action_space
         game.close()
+        minibatches = config.num_minibatches or default_minibatches(self.obs_space)  # (None)
+        self.main.config = dataclasses.replace(config, num_minibatches=minibatches)
         self.steps_per_step, self.updates, self.episodes = config.num_envs, 0, 0
         return self
 
     @staticmethod
-    def evaluate(config: Config) -> dict:
-        """--eval: the machinery's."""
+    def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
         raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner")
 
-    def prepare_learner(self) -> int:
-        """Ready the new Model and Trainer to learn; returns the step to start from: 0."""
-        return 0
+    prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
+    stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
+    mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
 
     def start_games(self) -> Worker:
         """All the games in one Worker, game i seeded with seed + i (RunGuard's: --num-workers)."""
         obs = torch.zeros(self.config.num_envs, self.obs_size).share_memory_()
         self.games = Worker(0, self.config.env, self.config.seed, obs.numpy())
         return self.games
-
-    def stop_at_once(self) -> bool:
-        """Whether to leave the rollout at once (on Ctrl-C, below): never."""
-        return False
-
-    def mean(self, value: float) -> float:
-        """The value's mean over the processes that train together (torchrun, below): itself."""
-        return value
 
     def after_rollout(self, ended: list):
         """Record the ended episodes' returns; note when the last 100's mean reaches the target."""
@@ -1289,6 +1289,11 @@ class RunGuard(Run):
         check_settings(config)
         self.env = inspect_env(config)  # its spaces (checked), its mask
         self.obs_space, self.action_space, self.obs_size, self.masked = self.env[:4]
+        self.minibatches_by_kind = config.num_minibatches is None
+        if self.minibatches_by_kind:  # the lesson's default by observation kind, then checked
+            by_kind = default_minibatches(self.obs_space)
+            config = dataclasses.replace(config, num_minibatches=by_kind)
+            check_settings(config)
         refuse_what_will_not_fit(needed_memory(config, self.env), "the rollout and the games")
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
@@ -1465,13 +1470,17 @@ class RunLog:
         self.say("engine: the lesson's Game, " + (
             f"{config.num_envs // workers} per Worker in {workers} child processes" if workers
             else f"{config.num_envs} in this process"))
+        by_kind = ["num_minibatches"] * guard.minibatches_by_kind  # (not typed: a line of its own)
         changed = [(f.name.replace("_", "-"), getattr(config, f.name))
-                   for f in dataclasses.fields(Config)
-                   if f.name != "run_dir" and getattr(config, f.name) != f.default]
+                   for f in dataclasses.fields(Config) if f.name not in ("run_dir", *by_kind)
+                   and getattr(config, f.name) != f.default]
         if changed:
             self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
                                               if isinstance(value, bool) else f"--{flag} {value}"
                                               for flag, value in changed))
+        if by_kind:
+            self.say(f"minibatches: {config.num_minibatches}, the default for this observation's "
+                     "kind (4 with an image leaf, else 16; --num-minibatches sets them)")
         for line in guard.env.notes:  # the leaves left out, where the action mask comes from
             self.say(line)
         if self.resumed_at_step is not None:
@@ -1794,12 +1803,12 @@ def check_settings(config: Config):
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
-    batch_size = config.num_envs * config.num_steps
-    if batch_size % config.num_minibatches:
+    batch_size, split = config.num_envs * config.num_steps, config.num_minibatches  # (None: later)
+    if split and batch_size % split:
         raise UsageError(f"the batch of {batch_size} steps (--num-envs x --num-steps) does not "
-                         f"split into --num-minibatches {config.num_minibatches}")
-    if batch_size // config.num_minibatches < 2:
-        raise UsageError(f"minibatches of {batch_size // config.num_minibatches} step cannot be "
+                         f"split into --num-minibatches {split}")
+    if split and batch_size // split < 2:
+        raise UsageError(f"minibatches of {batch_size // split} step cannot be "
                          f"normalised: raise --num-envs or --num-steps, or lower --num-minibatches")
 
 

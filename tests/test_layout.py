@@ -21,7 +21,7 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 LESSON_LINES = {"ppo_atari.py": 612, "ppo_cartpole.py": 672, "ppo_continuous.py": 667,
                 "ppo_memory.py": 890, "ppo_multiagent.py": 847, "ppo_spaces.py": 827}
 FILE_LINES = {"ppo_atari.py": 1643, "ppo_cartpole.py": 1811, "ppo_continuous.py": 2227,
-              "ppo_memory.py": 1931, "ppo_multiagent.py": 2010, "ppo_spaces.py": 2087}
+              "ppo_memory.py": 1931, "ppo_multiagent.py": 2010, "ppo_spaces.py": 2096}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 2
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",

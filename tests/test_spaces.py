@@ -509,6 +509,34 @@ def test_ctrl_c_in_worker_processes_saves_a_checkpoint_and_the_summary(tmp_path)
     assert summary["interrupted"] is True and summary["steps"] == checkpoint["global_step"] > 0
 
 
+def test_the_minibatches_follow_the_observation_kind_unless_given(tmp_path, capsys):
+    # None: 4 minibatches with an image leaf (TestCodeGrid-v0's 0-255 image), 16 without (Taxi's Discrete),
+    # named at start-up; a value given wins and is a setting like any other.
+    assert ps.Config().num_minibatches is None
+    for env, expected in (("TestCodeGrid-v0", 4), ("Taxi-v4", 16)):
+        main = ps.Main(ps.Config(env=env, num_envs=4, num_steps=16, total_timesteps=64, device="cpu",
+                                 run_dir=str(tmp_path / env)))
+        main.run()
+        assert main.config.num_minibatches == main.trainer.config.num_minibatches == expected
+        assert torch.load(tmp_path / env / "checkpoint.pt", weights_only=True)["config"]["num_minibatches"] == expected
+        out = capsys.readouterr().out
+        assert f"minibatches: {expected}, the default for this observation's kind (4 with an image" in out
+        assert "--num-minibatches" not in out.split("settings: ")[1].splitlines()[0]
+    given = ps.Main(small_config(tmp_path / "given", env="TestCodeGrid-v0", num_minibatches=2))
+    given.run()
+    out = capsys.readouterr().out
+    assert given.config.num_minibatches == 2 and "--num-minibatches 2" in out and "minibatches: " not in out
+    lesson = ps.Main(ps.Config(env="TestCodeGrid-v0", num_envs=4, num_steps=16, total_timesteps=64, device="cpu"))
+    lesson.train(ps.Run)  # the lesson's plain run applies the same default
+    assert lesson.config.num_minibatches == 4
+
+
+def test_a_rollout_the_default_minibatches_cannot_split_is_refused_in_one_line():
+    # 4 x 3 = 12 steps: Taxi's default of 16 minibatches cannot split them.
+    line = error_line(run_script("--num-envs", 4, "--num-steps", 3, "--device", "cpu"))
+    assert line == "error: the batch of 12 steps (--num-envs x --num-steps) does not split into --num-minibatches 16"
+
+
 # ----- an env that breaks its spaces after the start-up check's 100 steps ---------------------------
 
 # 4 games of 32 steps a rollout: each game's 150th step, the run's 600th, falls in the 5th rollout.
