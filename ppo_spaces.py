@@ -674,7 +674,7 @@ class Run:
         self.obs_size, self.masked = len(game.reset()), bool(game.mask_size) and config.action_mask
         self.obs_space, self.action_space = game.env.observation_space, game.env.action_space
         game.close()
-        minibatches = config.num_minibatches or default_minibatches(self.obs_space)  # (None)
+        minibatches = config.num_minibatches or default_minibatches(self.obs_space)  # None: by kind
         self.main.config = dataclasses.replace(config, num_minibatches=minibatches)
         self.steps_per_step, self.updates, self.episodes = config.num_envs, 0, 0
         return self
@@ -1803,7 +1803,7 @@ def check_settings(config: Config):
     if config.num_workers and config.num_envs % config.num_workers:
         raise UsageError(f"--num-workers {config.num_workers} must divide --num-envs "
                          f"{config.num_envs}")
-    batch_size, split = config.num_envs * config.num_steps, config.num_minibatches  # (None: later)
+    batch_size, split = config.num_envs * config.num_steps, config.num_minibatches  # None: by kind
     if split and batch_size % split:
         raise UsageError(f"the batch of {batch_size} steps (--num-envs x --num-steps) does not "
                          f"split into --num-minibatches {split}")
