@@ -1291,8 +1291,8 @@ class RunGuard(Run):
         self.obs_space, self.action_space, self.obs_size, self.masked = self.env[:4]
         self.minibatches_by_kind = config.num_minibatches is None
         if self.minibatches_by_kind:  # the lesson's default by observation kind, then checked
-            by_kind = default_minibatches(self.obs_space)
-            config = dataclasses.replace(config, num_minibatches=by_kind)
+            minibatches = default_minibatches(self.obs_space)
+            config = dataclasses.replace(config, num_minibatches=minibatches)
             check_settings(config)
         refuse_what_will_not_fit(needed_memory(config, self.env), "the rollout and the games")
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
@@ -1470,15 +1470,15 @@ class RunLog:
         self.say("engine: the lesson's Game, " + (
             f"{config.num_envs // workers} per Worker in {workers} child processes" if workers
             else f"{config.num_envs} in this process"))
-        by_kind = ["num_minibatches"] * guard.minibatches_by_kind  # (not typed: a line of its own)
+        left_out = ("run_dir", "num_minibatches") if guard.minibatches_by_kind else ("run_dir",)
         changed = [(f.name.replace("_", "-"), getattr(config, f.name))
-                   for f in dataclasses.fields(Config) if f.name not in ("run_dir", *by_kind)
-                   and getattr(config, f.name) != f.default]
+                   for f in dataclasses.fields(Config)
+                   if f.name not in left_out and getattr(config, f.name) != f.default]
         if changed:
             self.say("settings: " + " ".join(f"--{'' if value else 'no-'}{flag}"
                                               if isinstance(value, bool) else f"--{flag} {value}"
                                               for flag, value in changed))
-        if by_kind:
+        if guard.minibatches_by_kind:  # (not typed: left out of the settings above)
             self.say(f"minibatches: {config.num_minibatches}, the default for this observation's "
                      "kind (4 with an image leaf, else 16; --num-minibatches sets them)")
         for line in guard.env.notes:  # the leaves left out, where the action mask comes from
