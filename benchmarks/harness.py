@@ -388,13 +388,15 @@ def run_sb3_logged(child_file, seed, child_args, args, target=None):
     return record, episodes, tail
 
 
-def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start):
+def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start, stop_at=None):
     """In the SB3 child: `model.learn(total_timesteps)` with a callback that keeps (step, return,
     agent steps) of every finished episode (the Monitor's `info["episode"]`, at
     `self.num_timesteps`; the length counted by the callback itself, since an Atari Monitor counts
     frames) and the wall-clock time (`time.time()`) at which it ended, and the steady speed from the
     end of the first rollout + update; close `env` and write it all to `out_file` as JSON.
-    `setup_start`: `time.perf_counter()` before the env was made."""
+    `setup_start`: `time.perf_counter()` before the env was made. `stop_at`: a return at which
+    learning ends, once the mean of the last WINDOW episodes reaches it (as our scripts'
+    `--target-return`); None: the whole budget."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     class RecordEpisodes(BaseCallback):
@@ -418,7 +420,8 @@ def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start):
                     self.episodes.append(episode)
                     self.episode_wall_times.append(time.time())
                     self.lengths[i] = 0
-            return True
+            recent = [episode[1] for episode in self.episodes[-WINDOW:]]
+            return stop_at is None or len(recent) < WINDOW or statistics.fmean(recent) < stop_at
 
         def _on_training_end(self):
             self.end = (time.perf_counter(), self.num_timesteps)

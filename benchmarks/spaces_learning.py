@@ -47,15 +47,15 @@ they include Python's start-up and the imports on both sides ("time from launch"
 episodes at the end of each rollout, MaskablePPO's callback as they end. The training runs go one
 after another, interleaved by seed (seed 1: masks, no-masks, maskable; seed 2: ...), so that
 background load hits all alike. Run it alone on an idle machine: on 2 cores anything beside it
-changes the seconds, not the steps. (The default run took 11 minutes on an idle 2-core Intel
-Xeon on 2026-11-25: MaskablePPO runs near 1,160 steps/s on its one env, about 3 minutes a run,
-ours near 10,000-11,000, about 20 seconds a run.)
+changes the seconds, not the steps. (The default run took 16 minutes on an idle 2-core AMD
+EPYC on 2026-11-29: MaskablePPO runs near 1,100 steps/s on its one env, about 3 minutes a run,
+ours near 3,100-3,300, about a minute a run.)
 
 The budget: 200,000 steps is ppo_spaces.py's default, and both reach 7 well within it (ours with
-masks at 66k-86k steps on seeds 1-3, MaskablePPO at 57k-67k). Ours anneals
-its learning rate over the budget, so its curve depends on it: seed 1 reached 7 at 97k steps with a
-150k budget and 75k with 300k, but never with 90k (it settled at -200, a policy that never
-delivers). MaskablePPO's constant learning rate makes its curve the same for any budget.
+masks at 27k-65k steps on seeds 1-3, MaskablePPO at 54k-72k; AMD EPYC, 2026-11-29). Ours
+anneals its learning rate over the budget, so its curve depends on it: with the defaults of
+2026-11-25, seed 1 reached 7 at 97k steps with a 150k budget and 75k with 300k, but never with 90k
+(it settled at -200, a policy that never delivers). MaskablePPO's constant learning rate makes its curve the same for any budget.
 
 Outputs
 -------
@@ -105,12 +105,12 @@ each), 2 actions (stick, hit), no mask, returns -1 / 0 / +1, 1-3 steps an episod
    with the script's defaults (the Taxi ones above; nothing in BLACKJACK_ARGS): they learn, so no
    setting is changed. A one-seed probe (seed 1, 300,000 steps) had a mean return of -0.17 over
    its first 20,000 episodes and -0.04 over its last 20,000, against -0.047 for the optimal
-   policy. Budget `--steps` 300,000 (default with this env): in the full run (2026-11-25, the
-   2-core machine below) the 1,000-episode mean of every seed stayed within about 0.05 of the
-   optimum from about 50k steps on, and over the episodes after step 100k seeds 1-3 averaged
-   -0.051, -0.050 and -0.046 (standard errors 0.003); a run took 45 s, the whole benchmark (3
-   seeds, the random policy, the report) 2 min 41 s. Its episodes are read as for Taxi: about
-   205,000 a run, so each `ours_seed<S>.csv` is about 2.5 MB.
+   policy. Budget `--steps` 300,000 (default with this env): in the full run (2026-11-29, an idle
+   2-core AMD EPYC) seeds 1-3 averaged -0.053, -0.051 and -0.051 over their episodes after step
+   100k (standard errors 0.003), and a 1,000-episode mean (standard error 0.03) still strays
+   0.05 from the optimum now and then; a run took 2 minutes, the whole benchmark (3 seeds, the
+   random policy, the report) 6 min 16 s. Its episodes are read as for Taxi: about 197,000 a
+   run, so each `ours_seed<S>.csv` is about 2.4 MB.
 2. `random`: uniformly random actions (stick or hit with probability 1/2 each),
    `--random-episodes` (default 100,000 with this env; a standard error near 0.003).
 
@@ -150,10 +150,8 @@ and a target t in [-1, 1]; the action a Dict of a choice (Discrete(3)) and a par
 right choice, p = t), and the value of uniformly random actions, 1/9. Two variants:
 
 1. `ours`: `python ppo_spaces.py --env spaces_envs:TestHybrid-v0 --seed S --total-timesteps N
-   --run-dir <tmp> --ent-coef 0 --update-epochs 10 --num-steps 32` (HYBRID_ARGS, the settings of
-   tests/test_spaces.py's learning check): with one-step episodes there is nothing to explore
-   over time, and an entropy bonus would keep the Gaussian's spread, which costs return; the
-   rest are the defaults. Budget `--steps` 100,000 (default with this env).
+   --run-dir <tmp>`, the script's defaults (those Taxi, Blackjack and MiniGrid run with). Budget
+   `--steps` 100,000 (default with this env).
 2. `random`: `action_space.sample()` (harness.py's `random_episodes`), `--random-episodes`
    (default 100,000 with this env).
 
@@ -174,10 +172,10 @@ a direction (Discrete(4)) and a mission (a MissionSpace of text). Three variants
 
 1. `ours`: `python ppo_spaces.py --env minigrid:MiniGrid-DoorKey-5x5-v0 --seed S
    --total-timesteps N --run-dir <tmp>` with the script's defaults (DOORKEY_ARGS is empty): the
-   full Dict observation, the image through the CNN sized to it, the direction one-hot, the mission
-   left out with one start-up line. The defaults were chosen by measurement (below).
+   full Dict observation, the 7x7x3 image whole into the linear layer (a side under 16), the
+   direction one-hot, the mission left out with one start-up line. The defaults were chosen by measurement (below).
 2. `sb3`: Stable-Baselines3 PPO with MultiInputPolicy, in a child process of this file
-   (`doorkey_sb3_child`): the rl-baselines3-zoo's DoorKey-5x5 recipe from the days it used the Dict
+   (`minigrid_sb3_child`): the rl-baselines3-zoo's DoorKey-5x5 recipe from the days it used the Dict
    observation (rl_zoo3 1.8, hyperparams/ppo.yml; its later versions flatten everything with
    minigrid's FlatObsWrapper into an MlpPolicy instead). SB3 cannot take the mission leaf, so
    gymnasium's `FilterObservation(env, ["image", "direction"])` drops it: the recipe is that
@@ -189,9 +187,11 @@ a direction (Discrete(4)) and a mission (a MissionSpace of text). Three variants
 3. `random`: `action_space.sample()`, `--random-episodes` (default 100).
 
 Reported as for Taxi: harness.py's table (each seed's final 100-episode mean return and its first
-step at a mean of 0.9), then this file's table of steps and seconds from launch to 0.9 with SB3's
-mean seconds over ours; the plot benchmarks/plots/spaces_doorkey_learning.png. Logs in
-benchmarks/results/spaces_learning_doorkey/.
+step at a mean of 0.9), then this file's table of steps and seconds from launch to 0.9 (means and
+medians) with SB3's mean seconds over ours; the plot benchmarks/plots/spaces_doorkey_learning.png.
+Logs in benchmarks/results/spaces_learning_doorkey/. To time more seeds, `--stop-at-target --seeds
+1 2 ... 10` ends every trained run at the target (ours by `--target-return`, SB3 by its callback's
+`stop_at`), which changes no step before it: the same steps and seconds, in a fraction of the time.
 
 How the defaults came to learn DoorKey. With the defaults of 2026-11-25 (Taxi's: 16 envs x 128
 steps, 4 minibatches, learning rate 2.5e-3) DoorKey never reached 0.9: the mean fell from 0.6 in the
@@ -282,14 +282,12 @@ BLACKJACK_BENCH = Learning(
 HYBRID = "TestHybrid-v0"  # tests/spaces_envs.py's HybridEnv: a Dict of a choice and a parameter
 HYBRID_OPTIMUM, HYBRID_RANDOM = 1.0, 1 / 9  # derived in HybridEnv's docstring
 HYBRID_TARGET = 0.95 * HYBRID_OPTIMUM  # within 5% of the optimum
-# One-step episodes: no entropy bonus (it would keep the Gaussian wide), 10 epochs a rollout of
-# 16 x 32 steps (the learning test's settings, tests/test_spaces.py; see the docstring).
-HYBRID_ARGS = ("--ent-coef", "0", "--update-epochs", "10", "--num-steps", "32")
+HYBRID_ARGS = ()  # ppo_spaces.py's defaults (issue 36: one set of defaults for every space)
 HYBRID_BENCH = Learning(
     name="spaces_learning_hybrid",
     script=REPO_ROOT / "ppo_spaces.py",
     variants=("ours", "random"),
-    labels={"ours": "ours, ppo_spaces.py " + " ".join(HYBRID_ARGS),
+    labels={"ours": "ours, ppo_spaces.py (defaults)",
             "random": "uniformly random actions"},
     colors={"ours": "tab:blue", "random": "tab:gray"},
     packages=("torch", "gymnasium", "numpy"),
@@ -386,9 +384,10 @@ def run_ours(variant, seed, args):
              "ours": list(OUR_ARGS.get(args.env, ()))}[variant]
     with tempfile.TemporaryDirectory(prefix=f"{variant}_seed{seed}_") as tmp, \
             tempfile.TemporaryDirectory(prefix=f"{variant}_seed{seed}_log_") as log_dir:
+        stop = ["--target-return", str(BENCHES[args.env].target)] if args.stop_at_target else []
         cmd = [*nice_prefix(args), sys.executable, str(BENCH.script), "--env",
                ENV_IDS.get(args.env, args.env), "--seed",
-               str(seed), "--total-timesteps", str(args.steps), *masks, "--run-dir", tmp,
+               str(seed), "--total-timesteps", str(args.steps), *masks, *stop, "--run-dir", tmp,
                *shlex.split(args.our_args)]
         launch = time.time()
         returncode, wall, tail = timed_run(cmd, args.timeout, log_dir)
@@ -408,16 +407,17 @@ def run_ours(variant, seed, args):
 
 def run_variant(variant, seed, args):
     """One training run: (run record, episodes, output tail)."""
+    stop = ["--stop-at-target"] if args.stop_at_target else []
     if variant == "maskable":  # its record gets target_step and target_seconds from harness.py
-        return run_sb3_logged(__file__, seed, ["--steps", str(args.steps)], args,
+        return run_sb3_logged(__file__, seed, ["--steps", str(args.steps), *stop], args,
                               target=TARGET_RETURN)
     if variant == "sb3":
-        return run_sb3_logged(__file__, seed, ["--env", args.env, "--steps", str(args.steps)],
-                              args, target=DOORKEY_TARGET)  # (either MiniGrid env's target)
+        return run_sb3_logged(__file__, seed, ["--env", args.env, "--steps", str(args.steps),
+                                               *stop], args, target=DOORKEY_TARGET)
     return run_ours(variant, seed, args)
 
 
-def sb3_child(seed, out_file, total_timesteps):
+def sb3_child(seed, out_file, total_timesteps, stop_at=None):
     """Train MaskablePPO with sb3-contrib's defaults on Taxi-v4 with its action masks; write every
     finished episode and the timings as JSON (harness.py's `sb3_learn_and_record`)."""
     setup_start = time.perf_counter()
@@ -446,10 +446,10 @@ def sb3_child(seed, out_file, total_timesteps):
 
     env = make_vec_env(ENV, n_envs=1, seed=seed, wrapper_class=masked)
     model = MaskablePPO("MlpPolicy", env, seed=seed, device="cpu", verbose=0)
-    sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start)
+    sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start, stop_at)
 
 
-def minigrid_sb3_child(env_id, seed, out_file, total_timesteps):
+def minigrid_sb3_child(env_id, seed, out_file, total_timesteps, stop_at=None):
     """Train SB3 PPO on a MiniGrid env (DoorKey-5x5, Empty-Random-6x6) with the
     rl-baselines3-zoo's recipe for MiniGrid-DoorKey-5x5-v0 from the days of its Dict observation
     (rl_zoo3 1.8, hyperparams/ppo.yml; in rl_zoo3 2.0 the same numbers are its "minigrid-defaults"
@@ -475,7 +475,7 @@ def minigrid_sb3_child(env_id, seed, out_file, total_timesteps):
     model = PPO("MultiInputPolicy", env, n_steps=128, batch_size=64, n_epochs=10, gamma=0.99,
                 gae_lambda=0.95, clip_range=0.2, ent_coef=0.0, learning_rate=2.5e-4, seed=seed,
                 device="cpu", verbose=0)
-    sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start)
+    sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start, stop_at)
 
 
 def random_allowed(args, use_mask):
@@ -553,8 +553,8 @@ def time_table(args):
     target, (ours_variant, theirs_variant, ratio_words) = bench.target, TIMED[args.env]
     runs, trained, random_returns, _, _ = load_report(bench, args)
     seeds_heading = "".join(f" seed {seed} |" for seed in args.seeds)
-    lines = [f"| variant |{seeds_heading} mean steps | mean seconds | final return, mean |",
-             "| --- |" + " ---: |" * (len(args.seeds) + 3)]
+    lines = [f"| variant |{seeds_heading} mean steps | median steps | mean seconds | median "
+             "seconds | final return, mean |", "| --- |" + " ---: |" * (len(args.seeds) + 5)]
     mean_seconds = {}
     for variant, seeds in trained.items():
         cells, steps, seconds, finals = "", [], [], []
@@ -573,8 +573,10 @@ def time_table(args):
                 finals.append(statistics.fmean(e[1] for e in episodes[-WINDOW:]))
         share = f" ({len(steps)}/{len(seeds)} seeds)" if len(steps) < len(seeds) else ""
         mean_seconds[variant] = mean_std(seconds)[0] if len(steps) == len(seeds) else None
+        medians = [statistics.median(values) if values else None for values in (steps, seconds)]
         lines.append(f"| {bench.labels[variant]} |{cells} {fmt(mean_std(steps)[0], ',.0f')}{share}"
-                     f" | {fmt(mean_std(seconds)[0], '.1f')}{share} |"
+                     f" | {fmt(medians[0], ',.0f')}{share} | {fmt(mean_std(seconds)[0], '.1f')}"
+                     f"{share} | {fmt(medians[1], '.1f')}{share} |"
                      f" {fmt(mean_std(finals)[0], '.2f')} |")
     ours, theirs = mean_seconds.get(ours_variant), mean_seconds.get(theirs_variant)
     ratio = (ratio_words.format(target=f"{target:g}") + ": "
@@ -583,8 +585,9 @@ def time_table(args):
              f"episodes reached {target:g}, and in brackets the seconds from launching the "
              "run's process (imports included) to the moment that episode was logged; – if "
              "never. "
-             "Means over the seeds that reached it (all seeds for the ratio below). Final return: "
-             f"the mean over seeds of each run's last {WINDOW} episodes' mean.")
+             "Means and medians over the seeds that reached it (all seeds for the ratio below). "
+             f"Final return: the mean over seeds of each run's last {WINDOW} episodes' mean (at "
+             "the target for runs that --stop-at-target ended there).")
     floors = []
     if random_returns:
         mean, std = mean_std(random_returns)
@@ -816,6 +819,13 @@ def parse_args():
                        "default results dir, else inside the results dir)")
     if env in (BLACKJACK, HYBRID):
         parser.set_defaults(random_count=100_000)
+    if env in TIMED:
+        parser.add_argument("--stop-at-target", action="store_true",
+                            help="end each trained run once its 100-episode mean reaches the "
+                            "target (ours by --target-return, the reference by a callback): the "
+                            "steps and seconds to it are the same, the runs shorter")
+    else:
+        parser.set_defaults(stop_at_target=False)
     args = parser.parse_args()
     check_learning_arguments(parser, args, bench, plot_name)
     return args
@@ -834,10 +844,11 @@ def main():
     bench = BENCHES[args.env]
     if args.sb3_child:
         seed, out_file = args.sb3_child
+        stop_at = bench.target if args.stop_at_target else None
         if args.env in MINIGRID:
-            minigrid_sb3_child(args.env, int(seed), out_file, args.steps)
+            minigrid_sb3_child(args.env, int(seed), out_file, args.steps, stop_at)
         else:
-            sb3_child(int(seed), out_file, args.steps)
+            sb3_child(int(seed), out_file, args.steps, stop_at)
         return
     if args.env == HYBRID:  # our script and gymnasium find spaces_envs on the path
         sys.path.insert(0, str(TESTS_DIR))

@@ -643,11 +643,10 @@ def test_the_lesson_alone_cut_at_the_banner_trains_with_its_plain_run(tmp_path, 
 
 def test_learns_a_hybrid_action_to_within_5_percent_of_the_optimum(tmp_path):
     # The optimum is 1 (the right choice, the parameter on the target); a random policy gets about 0.1.
-    # One-step episodes: no entropy bonus (it would keep the Gaussian wide), 10 epochs per rollout.
-    config = ps.Config(env="TestHybrid-v0", seed=1, total_timesteps=30_000, num_envs=16, num_steps=32,
-                       num_minibatches=4, ent_coef=0.0, update_epochs=10, device="cpu", run_dir=str(tmp_path))
+    # The defaults, those Taxi and MiniGrid learn with (seeds 1-3 sample 0.946-0.953 at 30k steps).
+    config = ps.Config(env="TestHybrid-v0", seed=1, total_timesteps=30_000, device="cpu", run_dir=str(tmp_path))
     summary = ps.Main(config).run()
-    assert summary["mean_return_100"] >= 0.85  # sampled, the Gaussian's spread included
+    assert summary["mean_return_100"] >= 0.9  # sampled, the Gaussian's spread included
     played = ps.evaluate_checkpoint(ps.Config(eval=str(tmp_path), eval_episodes=200, greedy=True, device="cpu"))
     assert played["mean_return"] >= 0.95, played["mean_return"]  # the most likely choice, the mean parameter
 
@@ -675,13 +674,25 @@ def test_the_defaults_learn_minigrid_s_empty_room_from_its_7x7_view_read_whole(t
 
     # Reach the goal square from a random start: 1 - 0.9 * steps / 144 on reaching it; random play gets about
     # 0.28. The 7x7x3 view (a side under 16) goes whole to the linear layer; the defaults' 16 x 32-step
-    # rollouts in minibatches of 32 learn it in about 5,000 steps (benchmarks/spaces_learning.py).
+    # rollouts, in 4 minibatches of 128 with an image, learn it in about 5,000 steps (benchmarks/README.md).
     config = ps.Config(env="minigrid:MiniGrid-Empty-Random-6x6-v0", seed=1, total_timesteps=20_000,
                        target_return=0.9, device="cpu", run_dir=str(tmp_path))
     main = ps.Main(config)
     summary = main.run()
     assert not any(isinstance(module, torch.nn.Conv2d) for module in main.model.modules())
     assert summary["solved_step"] is not None, summary
+
+
+def test_the_defaults_learn_minigrid_s_doorkey_from_its_whole_dict_observation(tmp_path):
+    import minigrid  # noqa: F401
+
+    # Pick up the key, open the door, reach the goal: 1 - 0.9 * steps / 250; random play gets about 0.02. The
+    # image and the direction read, the mission left out; the defaults (4 minibatches with an image) reached a
+    # 100-episode mean of 0.9 at 13,376 steps on seed 3, and by 57,856 on every seed of 1-10 (benchmarks/README.md).
+    config = ps.Config(env="minigrid:MiniGrid-DoorKey-5x5-v0", seed=3, total_timesteps=300_000,
+                       target_return=0.9, device="cpu", run_dir=str(tmp_path))
+    summary = ps.Main(config).run()
+    assert summary["solved_step"] is not None and summary["solved_step"] <= 60_000, summary
 
 
 def test_the_default_taxi_with_its_masks_reaches_a_mean_return_of_7(tmp_path):
