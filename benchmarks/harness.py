@@ -420,8 +420,9 @@ def sb3_learn_and_record(model, env, total_timesteps, out_file, setup_start, sto
                     self.episodes.append(episode)
                     self.episode_wall_times.append(time.time())
                     self.lengths[i] = 0
-            recent = [episode[1] for episode in self.episodes[-WINDOW:]]
-            return stop_at is None or len(recent) < WINDOW or statistics.fmean(recent) < stop_at
+            if stop_at is None or len(self.episodes) < WINDOW:
+                return True
+            return statistics.fmean(episode[1] for episode in self.episodes[-WINDOW:]) < stop_at
 
         def _on_training_end(self):
             self.end = (time.perf_counter(), self.num_timesteps)

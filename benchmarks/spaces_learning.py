@@ -55,7 +55,8 @@ The budget: 200,000 steps is ppo_spaces.py's default, and both reach 7 well with
 masks at 27k-65k steps on seeds 1-3, MaskablePPO at 54k-72k; AMD EPYC, 2026-11-29). Ours
 anneals its learning rate over the budget, so its curve depends on it: with the defaults of
 2026-11-25, seed 1 reached 7 at 97k steps with a 150k budget and 75k with 300k, but never with 90k
-(it settled at -200, a policy that never delivers). MaskablePPO's constant learning rate makes its curve the same for any budget.
+(it settled at -200, a policy that never delivers). MaskablePPO's constant learning rate makes its
+curve the same for any budget.
 
 Outputs
 -------
@@ -173,7 +174,8 @@ a direction (Discrete(4)) and a mission (a MissionSpace of text). Three variants
 1. `ours`: `python ppo_spaces.py --env minigrid:MiniGrid-DoorKey-5x5-v0 --seed S
    --total-timesteps N --run-dir <tmp>` with the script's defaults (DOORKEY_ARGS is empty): the
    full Dict observation, the 7x7x3 image whole into the linear layer (a side under 16), the
-   direction one-hot, the mission left out with one start-up line. The defaults were chosen by measurement (below).
+   direction one-hot, the mission left out with one start-up line. The defaults were chosen by
+   measurement (below).
 2. `sb3`: Stable-Baselines3 PPO with MultiInputPolicy, in a child process of this file
    (`minigrid_sb3_child`): the rl-baselines3-zoo's DoorKey-5x5 recipe from the days it used the Dict
    observation (rl_zoo3 1.8, hyperparams/ppo.yml; its later versions flatten everything with
