@@ -190,7 +190,7 @@ class StepResult(typing.NamedTuple):
 
 
 class Worker:
-    """Runs several Games in a child process, on a core of its own: actions go down a pipe,
+    """Runs several Games in a child process, beside the trainer: actions go down a pipe,
     rewards, flags and ended episodes come back; observations skip it (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
@@ -547,7 +547,7 @@ class Main:
                     break  # --target-return reached in this rollout
                 advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
-                guard.after_update(stats)  # NaN guard, logging, checkpoint when due
+                guard.after_update(stats)  # progress line (RunGuard's: NaN guard, checkpoint)
         return guard.summary
 
     def anneal_learning_rate(self):  # linearly, to 0 at the end (37 details, #4)
@@ -577,7 +577,7 @@ class Main:
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated)
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]  # games
-        self.guard.after_rollout(ended)  # record the games; stop here on Ctrl-C
+        self.guard.after_rollout(ended)  # record the games (RunGuard's: stop on Ctrl-C)
         return next_obs
 
     @torch.no_grad()

@@ -195,7 +195,7 @@ class StepResult(typing.NamedTuple):
 
 
 class Worker:
-    """Plays several Games in a child process (on a core of its own): actions go down a pipe, the
+    """Plays several Games in a child process (beside the trainer): actions go down a pipe, the
     rest comes back; observations, the one large array, skip the pipe (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
@@ -602,7 +602,7 @@ class Main:
                     break  # the target was reached in this rollout: the policy is good enough
                 advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
-                guard.after_update(stats)  # NaN guard, logging, checkpoint when due
+                guard.after_update(stats)  # progress line (RunGuard's: NaN guard, checkpoint)
         return guard.summary
 
     def anneal_learning_rate(self):
@@ -628,7 +628,7 @@ class Main:
             next_obs = obs_stats.normalize(self.games.observations().to(device), config.obs_clip)
             rewards = torch.from_numpy(result.rewards).to(device)
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
-            # last reward gets gamma * V(final observation); then `dones` cuts GAE at both ends.
+            # last reward gets gamma * V(final obs); done = 1 (either end) keeps GAE in its episode.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:
                 cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
@@ -638,7 +638,7 @@ class Main:
             rollout.dones[step] = torch.from_numpy(result.terminated | result.truncated).to(device)
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
-        self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
+        self.guard.after_rollout(ended)  # record the episodes (RunGuard's: stop on Ctrl-C)
         return next_obs
 
     @torch.no_grad()

@@ -191,7 +191,7 @@ class StepResult(typing.NamedTuple):
 
 
 class Worker:
-    """Plays several Games in a child process (on a core of its own): actions go down a pipe, the
+    """Plays several Games in a child process (beside the trainer): actions go down a pipe, the
     rest comes back; observations, the one large array, skip the pipe (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray, device="cpu"):
@@ -596,7 +596,7 @@ class Main:
                     break  # the target was reached in this rollout: the policy is good enough
                 advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
-                guard.after_update(stats)  # progress line (and NaN guard, checkpoint when due)
+                guard.after_update(stats)  # progress line (RunGuard's: NaN guard, checkpoint)
         return guard.summary
 
     def anneal_learning_rate(self):

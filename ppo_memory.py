@@ -204,7 +204,7 @@ class StepResult(typing.NamedTuple):
 
 
 class Worker:
-    """Plays several Games in a child process (on a core of its own): actions go down a pipe, the
+    """Plays several Games in a child process (beside the trainer): actions go down a pipe, the
     rest comes back; observations, the one large array, skip the pipe (shared memory: obs_view)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
@@ -790,7 +790,7 @@ class Main:
                     break  # the target was reached in this rollout: the policy is good enough
                 advantages, returns = self.estimate_advantages()  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
-                guard.after_update(stats)  # NaN guard, logging, checkpoint when due
+                guard.after_update(stats)  # progress line (RunGuard's: NaN guard, checkpoint)
         return guard.summary
 
     def anneal_learning_rate(self):
@@ -848,7 +848,7 @@ class Main:
             self.next_start, self.memory = done, memory
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
-        self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
+        self.guard.after_rollout(ended)  # record the episodes (RunGuard's: stop on Ctrl-C)
         if config.normalize_observations:  # (hook: under torchrun, those of all ranks' batches)
             model.obs_stats.update(rollout.observations.flatten(0, 1), self.guard.pooled)
         if config.scale_rewards:

@@ -752,7 +752,7 @@ class Main:
                     break  # the target was reached in this rollout: the policy is good enough
                 advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
-                guard.after_update(stats)  # NaN guard, logging, checkpoint when due
+                guard.after_update(stats)  # progress line (RunGuard's: NaN guard, checkpoint)
         return guard.summary
 
     def anneal_learning_rate(self):
@@ -801,7 +801,7 @@ class Main:
                                                     1 - rollout.mask[step])
             self.global_step += self.guard.steps_per_step  # agent rows of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
-        self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
+        self.guard.after_rollout(ended)  # record the episodes (RunGuard's: stop on Ctrl-C)
         return next_obs
 
     @torch.no_grad()

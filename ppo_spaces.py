@@ -156,7 +156,7 @@ def observed_leaves(space) -> list:  # [(path, leaf)] of the leaves that Encoder
 
 def default_minibatches(obs_space) -> int:
     """--num-minibatches left at None: 4 with an image leaf (cheaper, and as good on MiniGrid), else
-    16 (Taxi's masks and the hybrid action need them): benchmarks/README.md, "Any space"."""
+    16 (Taxi's masks and a Dict action of a choice and a number need them): benchmarks/README.md."""
     return 4 if any(obs_kind(leaf) == "image" for _, leaf in observed_leaves(obs_space)) else 16
 
 
@@ -237,7 +237,7 @@ def packed(actions: dict) -> np.ndarray:
 
 
 class Worker:
-    """Plays several Games in a (forked) child process, on a core of its own: actions go through a
+    """Plays several Games in a (forked) child process, beside the trainer: actions go through a
     pipe, rewards, end flags and infos come back; observations, the one large array, through shared
     memory (`obs_view`), read as a tensor with no copy."""
 
@@ -313,7 +313,7 @@ class ImageEncoder(nn.Module):
         self.channels_first, layers, self.features = self.shape[0] < self.shape[-1], [], hidden_size
         channels, *sides = self.shape if self.channels_first else self.shape[-1:] + self.shape[:2]
         # A side under 16: convolutions cannot stride, only make more numbers than the image holds
-        # (7x7x3 = 147 -> 5x5x32 = 800), for 9 in 10 of the work; SB3 flattens such images too.
+        # (7x7x3 = 147 -> 5x5x32 = 800), 90% of the compute for nothing; so the linear layer alone.
         for out_channels in (32, 64, 64) if min(sides) >= 16 else ():
             stride = 2 if min(sides) >= 16 else 1
             conv = nn.Conv2d(channels, out_channels, 3, stride)  # initialised as `layer` does
@@ -340,7 +340,7 @@ class Encoder(nn.Module):
         super().__init__()
         observed = [(space, obs_kind(space)) for _, space in observed_leaves(obs_space)]
         self.sizes = [int(np.prod(space.shape)) for space, _ in observed]  # (Discrete: 1)
-        self.obs_size, ends = sum(self.sizes), np.cumsum(self.sizes).tolist()
+        self.observed_size, ends = sum(self.sizes), np.cumsum(self.sizes).tolist()
         self.box_columns = [column for (_, kind), size, end in zip(observed, self.sizes, ends)
                             if kind in ("vector", "image") for column in range(end - size, end)]
         self.encoders = nn.ModuleList(
@@ -350,7 +350,7 @@ class Encoder(nn.Module):
                             for encoder, size in zip(self.encoders, self.sizes))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:  # (the mask's columns come after these)
-        parts = obs[:, :self.obs_size].split(self.sizes, dim=-1)
+        parts = obs[:, :self.observed_size].split(self.sizes, dim=-1)
         return torch.cat([encoder(part) for encoder, part in zip(self.encoders, parts)], dim=-1)
 
 
@@ -755,7 +755,7 @@ class Main:
                     break  # the target was reached in this rollout: the policy is good enough
                 advantages, returns = self.estimate_advantages(next_obs)  # 2. GAE
                 stats = self.learn(advantages, returns)  # 3. epochs of clipped PPO steps
-                guard.after_update(stats)  # NaN guard, logging, checkpoint when due
+                guard.after_update(stats)  # progress line (RunGuard's: NaN guard, checkpoint)
         return guard.summary
 
     def anneal_learning_rate(self):
@@ -782,7 +782,7 @@ class Main:
             rewards = self.model.return_stats.scale(torch.from_numpy(result.rewards).to(device),
                                                     self.discounted_returns, done, config.gamma)
             # Truncation is not death: an episode cut by a time limit would have gone on, so its
-            # last reward gets gamma * V(final observation); then `dones` cuts GAE at both ends.
+            # last reward gets gamma * V(final obs); done = 1 (either end) keeps GAE in its episode.
             cut = [i for i in result.final_obs if result.truncated[i] and not result.terminated[i]]
             if cut:  # (normalised as the step's other observations, by the statistics so far)
                 cut_obs = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
@@ -792,7 +792,7 @@ class Main:
             rollout.rewards[step], rollout.dones[step] = rewards, done
             self.global_step += self.guard.steps_per_step  # num_envs of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
-        self.guard.after_rollout(ended)  # record the episodes; stop here on Ctrl-C
+        self.guard.after_rollout(ended)  # record the episodes (RunGuard's: stop on Ctrl-C)
         return next_obs
 
     @torch.no_grad()
