@@ -455,8 +455,8 @@ class Model(nn.Module):
         self.return_stats = RunningMeanStd([0], 10.0, active=scale_rewards)  # (SB3's reward clip)
         self.names = ["/".join(map(str, path)) or "action" for path, _ in leaves(action_space)]
         self.heads = nn.ModuleList(ActionHead(space) for _, space in leaves(action_space))
-        # The mask, the observation's last mask_size columns (stored with the step: the update
-        # forbids what acting did), covers the Discrete and MultiDiscrete leaves in turn.
+        # The mask: the observation's last mask_size columns (0 with --no-action-mask), stored with
+        # the step (the update forbids what acting did); Discrete and MultiDiscrete heads in turn.
         self.mask_sizes = [head.mask_size if masked and head.maskable else 0 for head in self.heads]
         self.mask_size = sum(self.mask_sizes)
         mlp = lambda out_size, gain: nn.Sequential(  # two tanh hidden layers, then the output
