@@ -103,11 +103,11 @@ stands on every 17, a natural pays 1 like any win, no doubling or splitting): a 
 each), 2 actions (stick, hit), no mask, returns -1 / 0 / +1, 1-3 steps an episode. Two variants:
 
 1. `ours`: `python ppo_spaces.py --env Blackjack-v1 --seed S --total-timesteps N --run-dir <tmp>`
-   with the script's defaults (the Taxi ones above; nothing in BLACKJACK_ARGS): they learn, so no
-   setting is changed. A one-seed probe (seed 1, 300,000 steps) had a mean return of -0.17 over
-   its first 20,000 episodes and -0.04 over its last 20,000, against -0.047 for the optimal
-   policy. Budget `--steps` 300,000 (default with this env): in the full run (2026-11-29, an idle
-   2-core AMD EPYC) seeds 1-3 averaged -0.053, -0.051 and -0.051 over their episodes after step
+   with the script's defaults (the Taxi ones above): they learn, so no setting is changed. A
+   one-seed probe (seed 1, 300,000 steps) had a mean return of -0.17 over its first 20,000
+   episodes and -0.04 over its last 20,000, against -0.047 for the optimal policy. Budget
+   `--steps` 300,000 (default with this env): in the full run (2026-11-29, an idle 2-core AMD
+   EPYC) seeds 1-3 averaged -0.053, -0.051 and -0.051 over their episodes after step
    100k (standard errors 0.003), and a 1,000-episode mean (standard error 0.03) still strays
    0.05 from the optimum now and then; a run took 2 minutes, the whole benchmark (3 seeds, the
    random policy, the report) 6 min 16 s. Its episodes are read as for Taxi: about 197,000 a
@@ -172,10 +172,9 @@ a direction (Discrete(4)) and a mission (a MissionSpace of text). Three variants
 1-3 with the same budget `--steps` N (default 300,000):
 
 1. `ours`: `python ppo_spaces.py --env minigrid:MiniGrid-DoorKey-5x5-v0 --seed S
-   --total-timesteps N --run-dir <tmp>` with the script's defaults (DOORKEY_ARGS is empty): the
-   full Dict observation, the 7x7x3 image whole into the linear layer (a side under 16), the
-   direction one-hot, the mission left out with one start-up line. The defaults were chosen by
-   measurement (below).
+   --total-timesteps N --run-dir <tmp>` with the script's defaults: the full Dict observation,
+   the 7x7x3 image whole into the linear layer (a side under 16), the direction one-hot, the
+   mission left out with one start-up line. The defaults were chosen by measurement (below).
 2. `sb3`: Stable-Baselines3 PPO with MultiInputPolicy, in a child process of this file
    (`minigrid_sb3_child`): the rl-baselines3-zoo's DoorKey-5x5 recipe from the days it used the Dict
    observation (rl_zoo3 1.8, hyperparams/ppo.yml; its later versions flatten everything with
@@ -260,7 +259,6 @@ BENCH = Learning(
 )
 
 BLACKJACK = "Blackjack-v1"
-BLACKJACK_ARGS = ()  # ppo_spaces.py's defaults learn Blackjack (see the docstring): nothing added
 FINAL_WINDOW, LONG_WINDOW = 1_000, 10_000  # episodes in this file's Blackjack table and plot
 BLACKJACK_BENCH = Learning(
     name="spaces_learning_blackjack",
@@ -284,7 +282,6 @@ BLACKJACK_BENCH = Learning(
 HYBRID = "TestHybrid-v0"  # tests/spaces_envs.py's HybridEnv: a Dict of a choice and a parameter
 HYBRID_OPTIMUM, HYBRID_RANDOM = 1.0, 1 / 9  # derived in HybridEnv's docstring
 HYBRID_TARGET = 0.95 * HYBRID_OPTIMUM  # within 5% of the optimum
-HYBRID_ARGS = ()  # ppo_spaces.py's defaults (issue 36: one set of defaults for every space)
 HYBRID_BENCH = Learning(
     name="spaces_learning_hybrid",
     script=REPO_ROOT / "ppo_spaces.py",
@@ -309,9 +306,6 @@ HYBRID_BENCH = Learning(
 
 DOORKEY = "MiniGrid-DoorKey-5x5-v0"
 DOORKEY_TARGET = 0.9  # issue 22's target, over 100 consecutive episodes
-# Ours on DoorKey: the script's defaults (issue 36: images standardised, rewards scaled; before,
-# SB3's recipe in our flags: see the docstring).
-DOORKEY_ARGS = ()
 DOORKEY_BENCH = Learning(
     name="spaces_learning_doorkey",
     script=REPO_ROOT / "ppo_spaces.py",
@@ -360,7 +354,6 @@ MINIGRID = (DOORKEY, EMPTY)  # ours against SB3's MiniGrid recipe (`minigrid_sb3
 # module that registers it (tests/ is put on the path for spaces_envs).
 ENV_IDS = {HYBRID: f"spaces_envs:{HYBRID}", DOORKEY: f"minigrid:{DOORKEY}",
            EMPTY: f"minigrid:{EMPTY}"}
-OUR_ARGS = {BLACKJACK: BLACKJACK_ARGS, HYBRID: HYBRID_ARGS, DOORKEY: DOORKEY_ARGS, EMPTY: ()}
 TESTS_DIR = REPO_ROOT / "tests"
 
 
@@ -382,8 +375,7 @@ def seconds_to_target(episodes, launch, target):
 
 def run_ours(variant, seed, args):
     """One run of ppo_spaces.py: (run record, episodes, output tail)."""
-    masks = {"masks": [], "no-masks": ["--no-action-mask"],
-             "ours": list(OUR_ARGS.get(args.env, ()))}[variant]
+    masks = ["--no-action-mask"] if variant == "no-masks" else []  # "ours": the defaults
     with tempfile.TemporaryDirectory(prefix=f"{variant}_seed{seed}_") as tmp, \
             tempfile.TemporaryDirectory(prefix=f"{variant}_seed{seed}_log_") as log_dir:
         stop = ["--target-return", str(BENCHES[args.env].target)] if args.stop_at_target else []
