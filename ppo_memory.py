@@ -576,56 +576,13 @@ def value_after(model: Model, rollout: Rollout, row: int, new_input: torch.Tenso
     return model.heads(features[-1])[1]
 
 
-class Adam:
-    """Adam (Kingma & Ba, 2015): torch.optim.Adam's step on the CPU, bit for bit (tests/ check it),
-    written out because creating a torch.optim optimizer costs a second (it imports torch's
-    compiler). For each weight w with gradient g, at step t = 1, 2, ...:
-
-        m <- beta1 m + (1 - beta1) g        a running mean of the gradient,
-        v <- beta2 v + (1 - beta2) g^2      and of its square;
-        w <- w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-
-    m and v start at 0: the step divides out their bias, the factors 1 - beta^t. Each weight moves
-    by about lr along its mean gradient, less where the gradient keeps changing sign (v large
-    against m^2), whatever its scale. The state_dict is laid out as torch.optim.Adam's."""
-
-    def __init__(self, parameters, lr: float, eps: float, betas=(0.9, 0.999)):
-        self.parameters = list(parameters)
-        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps}]  # lr: annealed by Main
-        self.state = {index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
-                              "exp_avg_sq": torch.zeros_like(w)}  # t, m and v
-                      for index, w in enumerate(self.parameters)}
-
-    def zero_grad(self):
-        for w in self.parameters:
-            w.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        group = self.param_groups[0]
-        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
-        for w, state in zip(self.parameters, self.state.values()):
-            g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
-            if g is None:  # a weight the loss did not use: left as it is (so does torch's Adam)
-                continue
-            state["step"] += 1
-            t = state["step"].item()
-            m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denominator = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
-            w.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
-
-    def state_dict(self) -> dict:
-        return {"state": self.state, "param_groups": self.param_groups}
-
-
 class Trainer:
     """One PPO step on a minibatch: clipped surrogate, value loss, entropy bonus, gradient clip."""
 
-    def __init__(self, model: Model, config: Config):
+    def __init__(self, model: Model, config: Config, optimizer: type = torch.optim.Adam):
         self.model, self.config = model, config
         # Adam with eps 1e-5, not 1e-8 (37 details, #3).
-        self.optimizer = Adam(model.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.optimizer = optimizer(model.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -715,6 +672,7 @@ class Run:
     prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
     stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
     mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
+    optimizer = torch.optim.Adam  # the Trainer's (RunGuard's: its steps written out, faster)
     pooled = lambda self, moments, count: (moments, count)  # a batch's, pooled likewise
 
     def start_games(self) -> Worker:
@@ -774,7 +732,7 @@ class Main:
         with self.guard as guard:
             config = self.config  # (with the kind's defaults; the checkpoint's, when resuming)
             self.model = Model(guard.obs_size, guard.num_actions, config).to(guard.device)
-            self.trainer = Trainer(self.model, config)
+            self.trainer = Trainer(self.model, config, guard.optimizer)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
             self.games = guard.start_games()  # Workers; observations through shared memory
             self.rollout = Rollout(config, self.model, guard.device)
@@ -1072,6 +1030,54 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
 
+
+# ----- Adam, written out --------------------------------------------------------------------------
+
+
+class Adam:
+    """torch.optim.Adam (Kingma & Ba, 2015), the lesson's optimizer, written out: its CPU step bit
+    for bit (tests/test_adam.py), without the 1-2 s that creating a torch.optim optimizer costs (it
+    imports torch's compiler). RunGuard hands it to the Trainer while the lesson's Run names
+    torch.optim.Adam. For each weight w with gradient g, at step t = 1, 2, ...:
+
+        m <- beta1 m + (1 - beta1) g        a running mean of the gradient,
+        v <- beta2 v + (1 - beta2) g^2      and of its square;
+        w <- w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    m and v start at 0: the step divides out their bias, the factors 1 - beta^t. Each weight moves
+    by about lr along its mean gradient, less where the gradient keeps changing sign (v large
+    against m^2), whatever its scale. The state_dict is laid out as torch.optim.Adam's."""
+
+    def __init__(self, parameters, lr: float, eps: float, betas=(0.9, 0.999)):
+        self.parameters = list(parameters)
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps}]  # lr: annealed by Main
+        self.state = {index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
+                              "exp_avg_sq": torch.zeros_like(w)}  # t, m and v
+                      for index, w in enumerate(self.parameters)}
+
+    def zero_grad(self):
+        for w in self.parameters:
+            w.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        group = self.param_groups[0]
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        for w, state in zip(self.parameters, self.state.values()):
+            g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
+            if g is None:  # a weight the loss did not use: left as it is (so does torch's Adam)
+                continue
+            state["step"] += 1
+            t = state["step"].item()
+            m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denominator = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+            w.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+
+    def state_dict(self) -> dict:
+        return {"state": self.state, "param_groups": self.param_groups}
+
+
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
 
@@ -1218,6 +1224,7 @@ class RunGuard(Run):
         self.ranks = self.games = self.log = self.summary = None
 
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+    optimizer = Adam if Run.optimizer is torch.optim.Adam else Run.optimizer  # torch's, faster
 
     @staticmethod
     def evaluate(config: Config) -> dict:  # --eval
@@ -1568,6 +1575,8 @@ def load_optimizer(optimizer: Adam, saved: dict):
         saved = {"param_groups": [{"lr": saved["lr"]}],
                  "state": {index: {"step": steps, "exp_avg": m, "exp_avg_sq": v}
                            for index, (m, v) in enumerate(moments)}}
+    if not isinstance(optimizer, Adam):  # another optimizer, which the lesson was edited to name
+        return optimizer.load_state_dict(saved)
     optimizer.param_groups[0]["lr"] = float(saved["param_groups"][0]["lr"])
     for index, state in saved["state"].items():
         for key, value in state.items():

@@ -491,57 +491,14 @@ class Rollout:
                          rows(returns), rows(self.values), rows(self.mask))
 
 
-class Adam:
-    """Adam (Kingma & Ba, 2015): torch.optim.Adam's step on the CPU, bit for bit (tests/ check it),
-    written out because creating a torch.optim optimizer costs a second (it imports torch's
-    compiler). For each weight w with gradient g, at step t = 1, 2, ...:
-
-        m <- beta1 m + (1 - beta1) g        a running mean of the gradient,
-        v <- beta2 v + (1 - beta2) g^2      and of its square;
-        w <- w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-
-    m and v start at 0: the step divides out their bias, the factors 1 - beta^t. Each weight moves
-    by about lr along its mean gradient, less where the gradient keeps changing sign (v large
-    against m^2), whatever its scale. The state_dict is laid out as torch.optim.Adam's."""
-
-    def __init__(self, parameters, lr: float, eps: float, betas=(0.9, 0.999)):
-        self.parameters = list(parameters)
-        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps}]  # lr: annealed by Main
-        self.state = {index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
-                              "exp_avg_sq": torch.zeros_like(w)}  # t, m and v
-                      for index, w in enumerate(self.parameters)}
-
-    def zero_grad(self):
-        for w in self.parameters:
-            w.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        group = self.param_groups[0]
-        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
-        for w, state in zip(self.parameters, self.state.values()):
-            g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
-            if g is None:  # a weight the loss did not use: left as it is (so does torch's Adam)
-                continue
-            state["step"] += 1
-            t = state["step"].item()
-            m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denominator = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
-            w.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
-
-    def state_dict(self) -> dict:
-        return {"state": self.state, "param_groups": self.param_groups}
-
-
 class Trainer:
     """One PPO step on a minibatch of every group: clipped surrogate, value loss, entropy bonus,
     gradient clip. `models`: each group's Model, by group name."""
 
-    def __init__(self, models: nn.ModuleDict, config: Config):
+    def __init__(self, models: nn.ModuleDict, config: Config, optimizer: type = torch.optim.Adam):
         self.models, self.config = models, config
         # Adam with eps 1e-5, not 1e-8 (37 details, #3).
-        self.optimizer = Adam(models.parameters(), lr=config.learning_rate, eps=1e-5)
+        self.optimizer = optimizer(models.parameters(), lr=config.learning_rate, eps=1e-5)
         self.average_gradients = lambda parameters: None  # torchrun's hook (see gradient_step)
 
     @staticmethod
@@ -634,6 +591,7 @@ class Run:
 
     games = summary = solved_step = None  # solved_step: where --target-return was reached
     config = property(lambda self: self.main.config)
+    optimizer = torch.optim.Adam  # the Trainer's (RunGuard's: its steps written out, faster)
 
     def __init__(self, main: "Main"):
         self.main, self.updates, self.episodes = main, 0, 0
@@ -739,7 +697,7 @@ class Main:
                 group.name: Model(group.policy_size, group.value_size, group.num_actions,
                                   config.central_value, config.hidden_size, group.continuous)
                 for group in groups}).to(guard.device)
-            self.trainer = Trainer(self.models, config)
+            self.trainer = Trainer(self.models, config, guard.optimizer)
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, sync ranks
             self.games = guard.start_games()  # Workers; rows through shared memory
             self.rollouts = {group.name: Rollout(config, group, guard.spec.num_agents,
@@ -1023,6 +981,54 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
 
+
+# ----- Adam, written out --------------------------------------------------------------------------
+
+
+class Adam:
+    """torch.optim.Adam (Kingma & Ba, 2015), the lesson's optimizer, written out: its CPU step bit
+    for bit (tests/test_adam.py), without the 1-2 s that creating a torch.optim optimizer costs (it
+    imports torch's compiler). RunGuard hands it to the Trainer while the lesson's Run names
+    torch.optim.Adam. For each weight w with gradient g, at step t = 1, 2, ...:
+
+        m <- beta1 m + (1 - beta1) g        a running mean of the gradient,
+        v <- beta2 v + (1 - beta2) g^2      and of its square;
+        w <- w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    m and v start at 0: the step divides out their bias, the factors 1 - beta^t. Each weight moves
+    by about lr along its mean gradient, less where the gradient keeps changing sign (v large
+    against m^2), whatever its scale. The state_dict is laid out as torch.optim.Adam's."""
+
+    def __init__(self, parameters, lr: float, eps: float, betas=(0.9, 0.999)):
+        self.parameters = list(parameters)
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps}]  # lr: annealed by Main
+        self.state = {index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
+                              "exp_avg_sq": torch.zeros_like(w)}  # t, m and v
+                      for index, w in enumerate(self.parameters)}
+
+    def zero_grad(self):
+        for w in self.parameters:
+            w.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        group = self.param_groups[0]
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        for w, state in zip(self.parameters, self.state.values()):
+            g, m, v = w.grad, state["exp_avg"], state["exp_avg_sq"]
+            if g is None:  # a weight the loss did not use: left as it is (so does torch's Adam)
+                continue
+            state["step"] += 1
+            t = state["step"].item()
+            m.lerp_(g, 1 - beta1)  # m + (1 - beta1)(g - m)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denominator = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+            w.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+
+    def state_dict(self) -> dict:
+        return {"state": self.state, "param_groups": self.param_groups}
+
+
 # ----- Ranks: data-parallel training under torchrun -----------------------------------------------
 
 
@@ -1165,6 +1171,7 @@ class RunGuard(Run):
 
     ranks = log = stop_signal = signals = None
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+    optimizer = Adam if Run.optimizer is torch.optim.Adam else Run.optimizer  # torch's, faster
     evaluate = staticmethod(lambda config: evaluate_checkpoint(config))  # --eval (below)
 
     def __init__(self, main: Main):
@@ -1549,6 +1556,8 @@ def load_optimizer(optimizer: Adam, saved: dict):
         saved = {"param_groups": [{"lr": saved["lr"]}],
                  "state": {index: {"step": steps, "exp_avg": m, "exp_avg_sq": v}
                            for index, (m, v) in enumerate(moments)}}
+    if not isinstance(optimizer, Adam):  # another optimizer, which the lesson was edited to name
+        return optimizer.load_state_dict(saved)
     optimizer.param_groups[0]["lr"] = float(saved["param_groups"][0]["lr"])
     for index, state in saved["state"].items():
         for key, value in state.items():

@@ -45,7 +45,8 @@ def learners(config):
     lesson_model = pc.Model(OBS, ACTIONS)
     numpy_model = pc.Model(OBS, ACTIONS)
     numpy_model.load_state_dict(lesson_model.state_dict())
-    lesson, numpy_trainer = pc.Trainer(lesson_model, config), pc.Trainer(numpy_model, config)
+    lesson = pc.Trainer(lesson_model, config, pc.Adam)
+    numpy_trainer = pc.Trainer(numpy_model, config, pc.Adam)
     fast = pc.NumpyLearner(types.SimpleNamespace(model=numpy_model, trainer=numpy_trainer,
                                                  config=config))
     return lesson, fast

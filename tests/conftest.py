@@ -120,8 +120,8 @@ def assert_numpy_learner_steps_as_the_lesson(module, lesson_model, config, minib
     module.NumpyLearner on a copy of lesson_model: the same diagnostics, weights and Adam moments up
     to rounding, with the global norm clipped and some ratios clipped."""
     numpy_model = copy.deepcopy(lesson_model)
-    lesson = module.Trainer(lesson_model, config)
-    numpy_trainer = module.Trainer(numpy_model, config)
+    lesson = module.Trainer(lesson_model, config, module.Adam)
+    numpy_trainer = module.Trainer(numpy_model, config, module.Adam)
     fast = module.NumpyLearner(types.SimpleNamespace(model=numpy_model, trainer=numpy_trainer,
                                                      config=config))
     start = copy.deepcopy(lesson_model.state_dict())

@@ -1,12 +1,16 @@
-"""Every script's Adam (written out in the lesson) against torch.optim.Adam: the same weights and
-moments bit for bit on the CPU, with the learning rate set through param_groups as Main's annealing
-sets it; and the checkpoints written with torch.optim.Adam resume."""
+"""Every script's Adam (torch.optim.Adam written out, below the banner) against torch.optim.Adam: the
+same weights and moments bit for bit on the CPU, with the learning rate set through param_groups as
+Main's annealing sets it; the checkpoints written with torch.optim.Adam resume; and the whole file
+hands it to the Trainer only while the lesson names torch.optim.Adam."""
 import importlib
+import importlib.util
 import io
 
 import pytest
 import torch
 from torch import nn
+
+from conftest import ROOT
 
 SCRIPTS = ["ppo_cartpole", "ppo_atari", "ppo_continuous", "ppo_memory", "ppo_multiagent",
            "ppo_spaces"]
@@ -90,3 +94,16 @@ def test_a_weight_without_a_gradient_is_left_as_torch_optim_adam_leaves_it(scrip
     assert torch.equal(unused_mine, torch.ones(3)) and my_adam.state[4]["step"] == 0
     for a, b in zip(mine.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_whole_file_writes_out_adam_only_while_the_lesson_names_torch_optim_adam(script, tmp_path):
+    assert script.Run.optimizer is torch.optim.Adam and script.RunGuard.optimizer is script.Adam
+    source = (ROOT / f"{script.__name__}.py").read_text()
+    named = "    optimizer = torch.optim.Adam  #"
+    assert source.count(named) == 1
+    path = tmp_path / f"edited_{script.__name__}.py"
+    path.write_text(source.replace(named, "    optimizer = torch.optim.SGD  #"))  # a reader's edit
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    edited = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(edited)
+    assert edited.RunGuard.optimizer is torch.optim.SGD

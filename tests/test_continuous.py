@@ -245,7 +245,7 @@ def test_the_numpy_learners_loss_against_the_same_hand_computed_values():
         new_log_probs, _, values = model.evaluate_actions(obs, actions)
     minibatch = pc.Minibatch(obs, actions, new_log_probs - RATIOS.log(), ADVANTAGES,
                              values + torch.tensor([1.0, -1.0, 2.0]), values)
-    learner = pc.NumpyLearner(types.SimpleNamespace(model=model, trainer=pc.Trainer(model, config),
+    learner = pc.NumpyLearner(types.SimpleNamespace(model=model, trainer=pc.Trainer(model, config, pc.Adam),
                                                     config=config))
     stats = learner.gradient_step(minibatch)  # the diagnostics of the loss before the step
     assert stats["policy_loss"].item() == pytest.approx(POLICY_LOSS, rel=1e-5)
@@ -552,7 +552,7 @@ def a_main_of_one_rank_on_the_cpu():
     """What use_numpy_on_cpu reads of a Main whose RunGuard is set up, alone on the CPU."""
     model, config = pc.Model(3, 1), pc.with_preset(pc.Config(device="cpu"))
     guard = types.SimpleNamespace(device=CPU, ranks=types.SimpleNamespace(world_size=1))
-    return types.SimpleNamespace(model=model, trainer=pc.Trainer(model, config), config=config,
+    return types.SimpleNamespace(model=model, trainer=pc.Trainer(model, config, pc.Adam), config=config,
                                  guard=guard)
 
 
