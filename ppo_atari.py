@@ -123,9 +123,9 @@ class Game:
     - Reward clipping (ClipRewardEnv): the reward's sign, so that one step size fits every game.
     - No-op starts (NoopResetEnv): 1..30 random NOOP frames start a game, so that games differ."""
 
-    def __init__(self, env_id: str, seed: int, noop_max: int = 30, render_mode=None):
+    def __init__(self, env_id: str, seed: int, noop_max: int = 30):
         ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no start-up banner on stderr
-        self.env = gym.make(env_id, obs_type="grayscale", frameskip=1, render_mode=render_mode)
+        self.env = gym.make(env_id, obs_type="grayscale", frameskip=1)
         self.ale, meanings = self.env.unwrapped.ale, self.env.unwrapped.get_action_meanings()
         self.needs_fire = len(meanings) >= 3 and meanings[1] == "FIRE"  # FireResetEnv's test
         self.noop_max, self.seed, self.rng = noop_max, seed, np.random.default_rng(seed)
@@ -151,14 +151,12 @@ class Game:
                 break
         return reward
 
-    def observe(self, new_episode: bool = False) -> np.ndarray:
-        """A copy of the stack, its newest picture (the last two frames' max, shrunk) last; a new
-        training episode starts with FIRE and 2 where needed (FireResetEnv), the older ones zero."""
-        for action in (1, 2) if new_episode and self.needs_fire else ():
+    def observe(self, new_episode: bool = False) -> np.ndarray:  # a copy of the stack
+        for action in (1, 2) if new_episode and self.needs_fire else ():  # (FireResetEnv)
             self.episode_return += self.repeat(action)
-        self.stack[:-1] = 0 if new_episode else self.stack[1:]
+        self.stack[:-1] = 0 if new_episode else self.stack[1:]  # a new episode: zeros
         self.stack[-1] = cv2.resize(np.maximum(*self.frames), (FRAME_SIZE, FRAME_SIZE),
-                                    interpolation=cv2.INTER_AREA)
+                                    interpolation=cv2.INTER_AREA)  # the last two frames' max
         return self.stack.copy()
 
     def step(self, action: int):
@@ -179,9 +177,7 @@ class Game:
         return obs, float(np.sign(reward)), terminated, truncated, info
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
-
+class StepResult(typing.NamedTuple):  # a step of all the games, besides the observations
     rewards: np.ndarray  # [num_envs] float32, clipped to their sign
     terminated: np.ndarray  # [num_envs] bool: the training episode ended (a life lost, game over)
     truncated: np.ndarray  # [num_envs] bool: ALE's frame limit cut the game
@@ -323,8 +319,7 @@ class Minibatch(typing.NamedTuple):  # a shuffled slice of the rollout: what the
 
 
 class Rollout:
-    """What the policy saw, did and got: [num_steps, num_envs, ...], on the device; what the games
-    return stays on the host until the update. (Below the banner, each picture is stored once.)"""
+    """What the policy saw, did and got, [steps, games, ...]; what it got stays on the host."""
 
     def __init__(self, config: Config, device: torch.device):
         shape = (config.num_steps, config.num_envs)
@@ -399,9 +394,7 @@ class Trainer:
         outputs = self.model.evaluate_actions(minibatch.obs, minibatch.actions)
         return self.ppo_loss(minibatch, *outputs, self.config)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient
-        (torchrun), global norm clip, Adam. Returns the diagnostics as tensors."""
+    def gradient_step(self, minibatch: Minibatch) -> dict:  # -> the diagnostics, as tensors
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -427,9 +420,8 @@ class Run:
         torch.manual_seed(config.seed)
         cuda = config.device != "cpu" and torch.cuda.is_available()
         self.device, self.steps_per_step = torch.device("cuda" if cuda else "cpu"), config.num_envs
-        game = Game(config.env, config.seed)
-        self.num_actions = int(game.env.action_space.n)
-        game.close()
+        with contextlib.closing(Game(config.env, config.seed)) as game:
+            self.num_actions = int(game.env.action_space.n)
         return self
 
     prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
@@ -476,8 +468,7 @@ class Run:
 
 
 class Main:
-    """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
-    An iteration (37 details, #6): play a rollout, estimate advantages, learn for some epochs."""
+    """The PPO loop (37 details, #6): `Main(config).run()` trains, returns the summary (a dict)."""
 
     def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
         self.config, self.guard, self.anneal_from = config, None, (0, config.learning_rate)
@@ -589,7 +580,7 @@ from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-# ----- Engines (the games, fast and guarded) and compilation --------------------------------------
+# ----- Engines (the games, fast and guarded), compilation and Adam written out --------------------
 
 
 class GuardedWorker(Worker):
@@ -724,10 +715,8 @@ class VectorGames(Engine):
 
     def __init__(self, env_id: str, seeds: list, device: torch.device = torch.device("cpu"),
                  noop_max: int = 30):
-        from ale_py.vector_env import AtariVectorEnv
-
         settings = gym.spec(env_id).kwargs  # the ROM and what the id asks: sticky actions, limit
-        self.env = AtariVectorEnv(
+        self.env = ale_py.AtariVectorEnv(
             settings["game"], len(seeds),
             repeat_action_probability=settings.get("repeat_action_probability", 0.0),
             full_action_space=settings.get("full_action_space", False),
@@ -836,9 +825,6 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
-
-# ----- Adam, written out --------------------------------------------------------------------------
 
 
 class Adam:
@@ -1029,6 +1015,9 @@ class RunGuard(Run):
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
     optimizer = Adam if Run.optimizer is torch.optim.Adam else Run.optimizer  # torch's, faster
     evaluate = staticmethod(lambda config: evaluate_checkpoint(config))  # --eval: no training
+    mean = lambda self, value: self.ranks.mean([value])[0]  # over the ranks (torchrun)
+    # After Ctrl-C: at once; under torchrun, all ranks stop together after the rollout.
+    stop_at_once = lambda self: self.stop_signal is not None and not self.ranks.distributed
 
     def __enter__(self) -> "RunGuard":
         self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
@@ -1088,12 +1077,6 @@ class RunGuard(Run):
                                   self.device) if config.env_backend == "ale-vector" else
                       WorkerPool(config, first_seed, self.device))
         return self.games
-
-    def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
-        return self.stop_signal is not None and not self.ranks.distributed
-
-    def mean(self, value: float) -> float:  # over the ranks (the value itself without torchrun)
-        return self.ranks.mean([value])[0]
 
     def after_rollout(self, ended: list):  # all ranks' episodes, by step; Interrupted: stop
         shared = self.ranks.gather((ended, self.stop_signal))
@@ -1244,7 +1227,7 @@ class RunLog:
         target = self.guard.config.target_return
         if (target is not None and self.solved_step is None and len(self.recent_returns) == 100
                 and np.mean(self.recent_returns) >= target):
-            self.solved_step, self.solved_seconds = step, self.seconds()
+            self.solved_step, self.solved_seconds = step, round(self.seconds(), 3)
 
     def update(self, stats: dict):
         step, writer = self.main.global_step, self.writer
@@ -1299,8 +1282,7 @@ class RunLog:
             "steps_per_second": round(speed, 1) if speed else None, "episodes": self.episodes,
             "mean_return_100": float(np.mean(self.recent_returns)) if self.recent_returns else None,
             "target_return": config.target_return, "solved_step": self.solved_step,
-            "solved_seconds": (round(self.solved_seconds, 3) if self.solved_seconds is not None
-                               else None), "interrupted": interrupted,
+            "solved_seconds": self.solved_seconds, "interrupted": interrupted,
             "checkpoint": str(guard.checkpoint_path) if guard.checkpoint_path.exists() else None,
             "world_size": guard.ranks.world_size, "resumed_at_step": self.resumed_at_step}
         if self.writer is None:
@@ -1326,12 +1308,11 @@ class RunLog:
 
 def learner_state(main: Main) -> dict:
     """What a run continues from, as data torch.load(..., weights_only=True) reads (no code)."""
-    guard = main.guard
-    return {"script": SCRIPT, "env": main.config.env, "num_actions": guard.num_actions,
+    return {"script": SCRIPT, "env": main.config.env, "num_actions": main.guard.num_actions,
             "config": dataclasses.asdict(main.config),
             "model": main.model.state_dict(), "optimizer": main.trainer.optimizer.state_dict(),
-            "global_step": main.global_step, "updates": guard.updates,
-            "anneal_from": list(main.anneal_from), "log": guard.log.state(),
+            "global_step": main.global_step, "updates": main.guard.updates,
+            "anneal_from": list(main.anneal_from), "log": main.guard.log.state(),
             "rng": {"torch": torch.get_rng_state()}}
 
 
@@ -1441,19 +1422,28 @@ def resumed_config(checkpoint: dict, given: Config) -> Config:
 
 @torch.no_grad()
 def evaluate_checkpoint(given: Config) -> dict:
-    """--eval: the real, unclipped score of --eval-episodes whole games (all lives) of a policy."""
+    """--eval: the real, unclipped score of --eval-episodes whole games (all lives) of a policy;
+    with --video, an mp4 of them (OpenCV's VideoWriter)."""
     check_settings(given)
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
     model = Model(inspect_env(config.env), bfloat16=config.precision == "bfloat16")
     load_weights(model, checkpoint["model"], config)
     torch.manual_seed(config.seed)
-    game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
-    video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
+    game, video, path, returns = Game(config.env, config.seed), None, None, []
     try:
+        if config.video:
+            Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+            path = str(Path(config.run_dir) / "eval.mp4")
+            fps, (height, width) = game.env.metadata["render_fps"], game.ale.getScreenDims()
+            video = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps / FRAME_SKIP,
+                                    (width, height))  # a picture each agent step
+            if not video.isOpened():
+                raise UsageError(f"OpenCV cannot write {path}")
+        obs = game.reset()
         while len(returns) < config.eval_episodes:
-            if config.video:
-                video = write_frame(video, game, path)
+            if video is not None:  # the emulator's screen, in colour
+                video.write(cv2.cvtColor(game.ale.getScreenRGB(), cv2.COLOR_RGB2BGR))
             actions, _, _ = model.act(torch.from_numpy(obs)[None], greedy=config.greedy)
             obs, _, _, _, info = game.step(actions.item())
             if "episode" in info:
@@ -1466,25 +1456,10 @@ def evaluate_checkpoint(given: Config) -> dict:
     how = "greedy" if config.greedy else "sampled"
     episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
     print(f"eval {config.env}: return {mean:.2f} ± {std:.2f} over {episodes} ({how} actions)")
-    if video is not None:
+    if path is not None:
         print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
-            "std_return": std, "returns": returns, "greedy": config.greedy,
-            "video": str(path) if video is not None else None}
-
-
-def write_frame(video, game: Game, path: Path):
-    """Append the game's picture to the mp4 (OpenCV's VideoWriter, opened at the first frame)."""
-    frame = game.env.render()
-    if video is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fps = game.env.metadata.get("render_fps", 60) / FRAME_SKIP
-        video = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps,
-                                (frame.shape[1], frame.shape[0]))
-        if not video.isOpened():
-            raise UsageError(f"OpenCV cannot write {path}")
-    video.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-    return video
+            "std_return": std, "returns": returns, "greedy": config.greedy, "video": path}
 
 
 RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),

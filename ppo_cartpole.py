@@ -88,16 +88,9 @@ class Config:
     env_backend: str = option("vector", "vector (gymnasium's CartPole) | game (the lesson's Game)")
 
 
-def preset_of(config: Config) -> tuple:
-    """(its name, its settings): what the fields of `config` left at None take."""
-    if config.preset and config.env in PRESETS:
-        return f"{config.env}'s preset", PRESETS[config.env]
-    return "the general setting", GENERAL_SETTING
-
-
 def with_preset(config: Config) -> Config:
     """The config with each field left at None set to its env's preset (or the general setting)."""
-    settings = preset_of(config)[1]
+    settings = PRESETS.get(config.env, GENERAL_SETTING) if config.preset else GENERAL_SETTING
     return dataclasses.replace(config, **{name: value for name, value in settings.items()
                                           if getattr(config, name) is None})
 
@@ -150,9 +143,9 @@ class Game:
     dimension from 0. An ended episode restarts in the same step: `step` returns the new one's first
     observation; in `info`, the ended one's last ("final_obs") and return and length ("episode")."""
 
-    def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
-        self.seed, self.action_space, self.close = seed, self.env.action_space, self.env.close
+    def __init__(self, env_id: str, seed: int):
+        self.env = gym.make(env_id)
+        self.seed, self.action_space = seed, self.env.action_space
 
     def reset(self) -> np.ndarray:
         obs, _ = self.env.reset(seed=self.seed)  # seeded once; restarts continue its stream
@@ -215,8 +208,7 @@ class Worker:
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game (observations into obs_out): rewards, terminated (the pole fell) and
-        truncated (a time limit cut it), and by game index: final_obs and episode of ended ones."""
+        """Step each Game, observations into obs_out; the rest as StepResult's fields."""
         rewards, final_obs, episodes = np.zeros(len(games), dtype=np.float32), {}, {}
         terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
         for i, game in enumerate(games):
@@ -247,12 +239,11 @@ class Worker:
 
 
 class RunningMeanStd(nn.Module):
-    """The count, mean and variance of each observation entry over all seen so far (float64), to
-    normalise what the policy sees (37 details, continuous-action #6-#7): MountainCar's velocity is
-    20 times smaller than its position. The Model's, frozen by --eval; from count 1e-4, mean 0,
-    variance 1, as CleanRL's and SB3's. A batch merges in by Chan et al.'s formula (1979), exact for
-    any split (n = n_a + n_b, delta = mean_b - mean_a): mean = mean_a + delta n_b / n,
-    var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n. Off: a pass-through."""
+    """Each observation entry's count, mean and variance over all seen (float64), to normalise what
+    the policy sees (37 details, continuous-action #6-#7: MountainCar's velocity is 20 times smaller
+    than its position). A batch merges in by Chan et al.'s formula (1979), exact for any split
+    (n = n_a + n_b, delta = mean_b - mean_a): mean = mean_a + delta n_b / n,
+    var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n. Inactive: a pass-through."""
 
     def __init__(self, shape: tuple, active: bool = True):
         super().__init__()
@@ -486,7 +477,7 @@ class Run:
         self.device, self.steps_per_step = torch.device("cuda" if cuda else "cpu"), config.num_envs
         game = Game(config.env, config.seed)
         self.obs_size, self.action_dims, self.binary = game.sizes()
-        game.close()
+        game.env.close()
         return self
 
     prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
@@ -788,7 +779,7 @@ class InProcessWorker(Worker):
     @staticmethod
     def close_games(games: list):
         for game in games:
-            game.close()
+            game.env.close()
 
     def close(self):
         self.close_games(self.games)
@@ -859,7 +850,7 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
-# ----- Compilation --------------------------------------------------------------------------------
+# ----- Compilation and Adam written out -----------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -897,9 +888,6 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
-
-# ----- Adam, written out --------------------------------------------------------------------------
 
 
 class Adam:
@@ -1281,6 +1269,13 @@ def tell(line: str):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def preset_of(config: Config) -> tuple:
+    """(its name, its settings): what `with_preset` fills `config`'s fields left at None with."""
+    if config.preset and config.env in PRESETS:
+        return f"{config.env}'s preset", PRESETS[config.env]
+    return "the general setting", GENERAL_SETTING
+
+
 class RunLog:
     """What a run tells, from rank 0: the start-up block, a progress line per update (at most one a
     second), TensorBoard, summary.json and a closing line. Its counts (steps, episodes, seconds,
@@ -1583,7 +1578,10 @@ def evaluate_checkpoint(given: Config) -> dict:
     if "normalizer" in checkpoint:  # (a checkpoint from before observation normalisation: none)
         load_statistics(model.obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
-    game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
+    game = Game(config.env, config.seed)
+    if config.video:  # the same env, made to draw its frames
+        game.env.close()
+        game.env = gym.make(config.env, render_mode="rgb_array")
     video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
     try:
         while len(returns) < config.eval_episodes:
@@ -1596,7 +1594,7 @@ def evaluate_checkpoint(given: Config) -> dict:
             if "episode" in info:
                 returns.append(float(info["episode"]["return"]))
     finally:
-        game.close()
+        game.env.close()
         if video is not None:
             video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
@@ -1716,7 +1714,7 @@ def inspect_env(env_id: str):
     except Exception as error:
         raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
     obs_space, action_space = game.env.observation_space, game.action_space
-    game.close()
+    game.env.close()
     kind = type(obs_space).__name__
     if not isinstance(obs_space, gym.spaces.Box):
         raise UsageError(f"{env_id} has a {kind} observation space; " + (

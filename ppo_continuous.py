@@ -93,16 +93,9 @@ class Config:
     numpy_on_cpu: bool = option(True, "on the CPU, the shipped lesson's step in NumPy (faster)")
 
 
-def preset_of(config: Config) -> tuple:
-    """(its name, its settings): what the fields of `config` left at None take."""
-    if config.preset and config.env in PRESETS:
-        return f"{config.env}'s preset", PRESETS[config.env]
-    return "the general setting", GENERAL_SETTING
-
-
 def with_preset(config: Config) -> Config:
     """The config with each field left at None set to its env's preset (or the general setting)."""
-    settings = preset_of(config)[1]
+    settings = PRESETS.get(config.env, GENERAL_SETTING) if config.preset else GENERAL_SETTING
     return dataclasses.replace(config, **{name: value for name, value in settings.items()
                                           if getattr(config, name) is None})
 
@@ -157,9 +150,8 @@ class Game:
     the same step: `step` returns the next one's first observation, in `info` the ended one's last
     ("final_obs": to bootstrap from if a time limit cut it), return and length ("episode")."""
 
-    def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
-        self.seed, self.action_space = seed, self.env.action_space
+    def __init__(self, env_id: str, seed: int):
+        self.env, self.seed = gym.make(env_id), seed
 
     def reset(self) -> np.ndarray:  # seeded the first time; later, the env's own random stream
         obs, _ = self.env.reset(seed=self.seed)
@@ -167,7 +159,7 @@ class Game:
         return np.asarray(obs, dtype=np.float32).reshape(-1)
 
     def step(self, action: np.ndarray):
-        space, info = self.action_space, {}
+        space, info = self.env.action_space, {}
         obs, reward, terminated, truncated, _ = self.env.step(
             action.reshape(space.shape).astype(space.dtype))
         obs = np.asarray(obs, dtype=np.float32).reshape(-1)
@@ -733,22 +725,17 @@ class WorkerPool:
     this process with --num-workers 0), their observations in one shared [num_envs, obs_size]."""
 
     def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device):
-        self.device, self.workers = device, []
+        self.device, self.workers, children = device, [], config.num_workers
         self.obs_tensor = torch.zeros(config.num_envs, obs_size).share_memory_()
-        self.obs_array = self.obs_tensor.numpy()
-        worker_class = GuardedWorker if config.num_workers else InProcessWorker
-        games_per_worker = config.num_envs // max(config.num_workers, 1)
-        self.engine = (f"the lesson's Game, {games_per_worker} per Worker in {config.num_workers} "
-                       f"child processes" if config.num_workers else
-                       f"the lesson's Game, {games_per_worker} in this process")
+        self.obs_array, size = self.obs_tensor.numpy(), config.num_envs // max(children, 1)
+        where = f"per Worker in {children} child processes" if children else "in this process"
+        self.engine = f"the lesson's Game, {size} {where}"
         try:
-            for index in range(max(config.num_workers, 1)):
-                first = index * games_per_worker
-                worker = worker_class(index, config.env, first_seed + first,
-                                      self.obs_array[first:first + games_per_worker],
-                                      [w.trainer_end for w in self.workers if w.trainer_end])
-                worker.first = first
-                self.workers.append(worker)
+            for first in range(0, config.num_envs, size):
+                self.workers.append((GuardedWorker if children else InProcessWorker)(
+                    first // size, config.env, first_seed + first,
+                    self.obs_array[first:first + size],
+                    [worker.trainer_end for worker in self.workers if worker.trainer_end]))
         except BaseException:
             self.close()  # the workers started so far
             raise
@@ -757,9 +744,8 @@ class WorkerPool:
         return self.obs_tensor.to(self.device)
 
     def step(self, actions: torch.Tensor) -> StepResult:  # all sent first: the children run at once
-        actions = actions.cpu().numpy()
-        for worker in self.workers:
-            worker.send_step(actions[worker.first:worker.first + len(worker.obs_view)])
+        for worker, part in zip(self.workers, np.split(actions.cpu().numpy(), len(self.workers))):
+            worker.send_step(part)
         parts = zip(*(worker.receive() for worker in self.workers))  # each field, worker by worker
         return StepResult(*(torch.from_numpy(np.concatenate(part)).to(self.device)
                             for part in parts))
@@ -773,11 +759,10 @@ class WorkerPool:
 class TorchPendulum:
     """gymnasium's Pendulum-v1 in torch (`--env-backend torch`): all games' states (angle, speed)
     in one tensor on the device, restarted in the same step: gymnasium's game (tests/ compare).
-    Each game has its own physics, as in TorchRL's Pendulum: gravity g, the rod's mass m and
-    length l, its max_speed, the motor's max_torque and the time step dt, each a tensor [num_envs].
-    `physics` ({name: (low, high)}, from --physics) sets them: a range is drawn per game,
-    uniformly, at each of its resets, from the engine's seeded generator; a value stays fixed, and
-    a name left out keeps gymnasium's value (PHYSICS)."""
+    As in TorchRL's Pendulum, each game has its own physics (a tensor [num_envs] each): gravity g,
+    the rod's mass m and length l, its max_speed, the motor's max_torque, the time step dt.
+    `physics` ({name: (low, high)}, from --physics) fixes a value or draws a range per game,
+    uniformly, at each of its resets, from the engine's seeded generator; PHYSICS: gymnasium's."""
 
     PHYSICS = {"g": 10.0, "m": 1.0, "l": 1.0, "max_speed": 8.0, "max_torque": 2.0, "dt": 0.05}
     MAX_EPISODE_STEPS = 200
@@ -787,8 +772,7 @@ class TorchPendulum:
     def __init__(self, num_envs: int, seed: int, device: torch.device,
                  physics: Optional[dict] = None):
         self.device, self.generator = device, torch.Generator(device=device).manual_seed(seed)
-        self.physics = {**{name: (value, value) for name, value in self.PHYSICS.items()},
-                        **(physics or {})}
+        self.physics = {name: (low,) * 2 for name, low in self.PHYSICS.items()} | (physics or {})
         self.state = self.random_states(num_envs)
         for name, (low, _) in self.physics.items():  # (the ranges: drawn just below)
             setattr(self, name, torch.full((num_envs,), low, dtype=torch.float64, device=device))
@@ -835,16 +819,25 @@ class TorchPendulum:
         self.steps += 1
         self.episode_returns += rewards
         truncated = self.steps >= self.MAX_EPISODE_STEPS
-        final_obs = self.observations()
-        episode_returns, episode_lengths = self.episode_returns.clone(), self.steps.clone()
+        result = StepResult(rewards.to(torch.float32), torch.zeros_like(truncated), truncated,
+                            self.observations(), self.episode_returns.clone(), self.steps.clone())
         # Same-step restart, without a host sync: fresh states for all, kept where a game ended.
         self.state = torch.where(truncated[:, None], self.random_states(len(truncated)), self.state)
         if self.ranges:
             self.restart_physics(truncated)
         self.steps.masked_fill_(truncated, 0)
         self.episode_returns.masked_fill_(truncated, 0.0)
-        return StepResult(rewards.to(torch.float32), torch.zeros_like(truncated), truncated,
-                          final_obs, episode_returns, episode_lengths)
+        return result
+
+    @classmethod
+    def checked(cls, config: Config, first_seed: int, device: torch.device) -> "TorchPendulum":
+        """The engine, once a spare one passed check_env_specs against the declared spaces:
+        gymnasium's (gym.make's) with gymnasium's physics, else those its own physics allows."""
+        env, physics = gym.make(config.env), parse_physics(config.physics)
+        spare = cls(4, first_seed, device, physics)
+        check_env_specs(spare, 4, spare.observation_space if physics else env.observation_space,
+                        env.action_space)
+        return cls(config.num_envs, first_seed, device, physics)
 
     def describe(self) -> str:
         """Its physics in words, for the start-up and --eval lines."""
@@ -892,19 +885,6 @@ def check_env_specs(engine, num_envs: int, obs_space, action_space, steps: int =
                            f"of {num_envs} games, not one per {engine.MAX_EPISODE_STEPS} steps")
 
 
-def start_engine(config: Config, obs_size: int, first_seed: int, device: torch.device):
-    """Workers of Games, or the torch Pendulum checked first against its declared spaces:
-    gymnasium's with gymnasium's physics, else the bounds its own physics allows."""
-    if config.env_backend == "game":
-        return WorkerPool(config, obs_size, first_seed, device)
-    env = gym.make(config.env)  # (for its declared spaces; Pendulum holds nothing to close)
-    physics = parse_physics(config.physics)
-    spare = TorchPendulum(4, first_seed, device, physics)
-    check_env_specs(spare, 4, spare.observation_space if physics else env.observation_space,
-                    env.action_space)
-    return TorchPendulum(config.num_envs, first_seed, device, physics)
-
-
 def ended_episodes(episodes: list) -> list:
     """(step, statistics) of each episode the rollout ended, read from the device at once."""
     if not episodes:
@@ -916,7 +896,7 @@ def ended_episodes(episodes: list) -> list:
     return [(steps[t], {"return": float(returns[t, i]), "length": int(lengths[t, i])})
             for t, i in ended.nonzero().tolist()]
 
-# ----- The CPU's fast path (the lesson's step in NumPy, while it is the shipped one); compilation -
+# ----- The CPU's fast path (the lesson's step in NumPy, while unedited); compilation; Adam --------
 
 # The lesson's definitions that NumpyPlayer and NumpyLearner compute again, and the sha256 of each
 # one's source as shipped: where one differs (a reader's edit) or cannot be read (a notebook's
@@ -1193,8 +1173,7 @@ class NumpyLearner:
         v += (1 - beta2) * grad * grad
         # $w \leftarrow w - lr / (1 - \beta_1^t) \cdot m / (\sqrt{v / (1 - \beta_2^t)} + \epsilon)$
         denominator = np.sqrt(v) / math.sqrt(1 - beta2 ** steps) + eps
-        params = self.params
-        params -= lr / (1 - beta1 ** steps) * m / denominator
+        self.params -= lr / (1 - beta1 ** steps) * m / denominator
         return norm
 
 
@@ -1231,9 +1210,6 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
-
-# ----- Adam, written out --------------------------------------------------------------------------
 
 
 class Adam:
@@ -1438,9 +1414,8 @@ class RunGuard(Run):
     last checkpoint and the summary saved, and what the process lent given back (a notebook's)."""
 
     def __init__(self, main: Main):
-        self.main, self.stop_signal, self.signals = main, None, None
-        self.previous_threads = torch.get_num_threads()
-        self.ranks = self.games = self.log = self.summary = None
+        self.main, self.previous_threads = main, torch.get_num_threads()
+        self.stop_signal = self.signals = self.ranks = self.games = self.log = self.summary = None
 
     config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
@@ -1463,9 +1438,8 @@ class RunGuard(Run):
         config = resumed_config(self.checkpoint, self.config)  # (and the env's preset)
         check_settings(config)
         self.obs_size, self.action_size, *self.action_bounds = inspect_env(config.env)
-        # The rollout: an observation, an action and 6 more numbers (advantages, returns...) a
-        # step, ~3 copies in an update; and each game its own (peak RSS from --num-envs 64 to 256
-        # grew 1.07 MB a HalfCheetah game, 23 KB a Pendulum game).
+        # The rollout: an observation, an action and 6 more numbers (advantages, returns...) a step,
+        # ~3 copies in an update; each game its own (peak RSS: HalfCheetah 1.07 MB, Pendulum 23 KB).
         game_bytes = 2 ** 20 if runs_on_mujoco(config.env) else 2 ** 15
         refuse_what_will_not_fit(config.num_envs * (3 * 4 * config.num_steps * (
             self.obs_size + self.action_size + 6) + game_bytes), "the rollout and the games")
@@ -1506,12 +1480,15 @@ class RunGuard(Run):
         self.last_checkpoint_step = main.global_step
         return main.global_step
 
-    def start_games(self):  # game i of rank r is seeded with seed + r * num_envs + i
-        first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        self.games = start_engine(self.config, self.obs_size, first_seed, self.device)
-        self.log.say(f"engine: {self.games.engine}")
-        if isinstance(self.games, TorchPendulum):
-            self.log.say(f"physics: {self.games.describe()}")
+    def start_games(self):
+        """Workers of Games or the torch Pendulum; game i of rank r gets seed + r * num_envs + i."""
+        config, first_seed = self.config, self.config.seed + self.ranks.rank * self.config.num_envs
+        if config.env_backend == "game":
+            self.games = WorkerPool(config, self.obs_size, first_seed, self.device)
+            self.log.say(f"engine: {self.games.engine}")
+        else:
+            self.games = TorchPendulum.checked(config, first_seed, self.device)
+            self.log.say(f"engine: {self.games.engine}\nphysics: {self.games.describe()}")
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1612,15 +1589,21 @@ def tell(line: str):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def preset_of(config: Config) -> tuple:
+    """(its name, its settings): what the fields of `config` left at None take."""
+    if config.preset and config.env in PRESETS:
+        return f"{config.env}'s preset", PRESETS[config.env]
+    return "the general setting", GENERAL_SETTING
+
+
 class RunLog:
     """What a run tells, from rank 0: the start-up block, progress lines (at most one a second),
     TensorBoard, summary.json, a closing line. Its counts span the resumes; its speeds, this one."""
 
     def __init__(self, guard: RunGuard, start_time: float):
         self.guard, self.main, self.start_time = guard, guard.main, start_time
-        resumed = guard.checkpoint is not None
-        saved = guard.checkpoint.get("log", {}) if resumed else {}
-        self.resumed_at_step = int(guard.checkpoint["global_step"]) if resumed else None
+        saved = (guard.checkpoint or {}).get("log", {})
+        self.resumed_at_step = int(guard.checkpoint["global_step"]) if guard.checkpoint else None
         self.episodes, self.earlier_seconds = saved.get("episodes", 0), saved.get("seconds", 0.0)
         self.recent_returns = deque(saved.get("recent_returns", []), maxlen=100)
         self.recent_lengths = deque(saved.get("recent_lengths", []), maxlen=100)
@@ -1758,9 +1741,8 @@ class RunLog:
 
 
 def load_statistics(stats: RunningMeanStd, state: dict):
-    stats.count.copy_(state["count"])
-    stats.mean.copy_(state["mean"])
-    stats.var.copy_(state["var"])
+    for name in ("count", "mean", "var"):
+        getattr(stats, name).copy_(state[name])
 
 
 def learner_state(main: Main) -> dict:
@@ -1785,9 +1767,8 @@ def load_weights(model: Model, weights: dict, config: Config):
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:
-        raise UsageError(f"the checkpoint's network does not fit {config.env} with hidden "
-                         f"size {config.hidden_size}: "
-                         f"{str(error).splitlines()[-1].strip()}") from None
+        raise UsageError(f"the checkpoint's network does not fit {config.env} with hidden size "
+                         f"{config.hidden_size}: {str(error).splitlines()[-1].strip()}") from None
 
 
 def load_optimizer(optimizer: Adam, saved: dict):
@@ -1921,7 +1902,10 @@ def evaluate_checkpoint(given: Config) -> dict:
             result = engine.step(model.act(obs, greedy=config.greedy)[0].clamp(low, high))
         returns, played = result.episode_returns.tolist(), f", physics {engine.describe()}"
     else:
-        game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
+        game = Game(config.env, config.seed)
+        if config.video:  # the same env, drawing its frames
+            game.env.close()
+            game.env = gym.make(config.env, render_mode="rgb_array")
         obs = game.reset()
         try:
             while len(returns) < config.eval_episodes:
@@ -1938,16 +1922,14 @@ def evaluate_checkpoint(given: Config) -> dict:
             if video is not None:
                 video.release()
     mean, std = float(np.mean(returns)), float(np.std(returns))
-    how = "greedy" if config.greedy else "sampled"
     episodes = f"{len(returns)} episode{'s' * (len(returns) != 1)}"
     print(f"eval {config.env}{played}: return {mean:.2f} ± {std:.2f} over {episodes} "
-          f"({how} actions)")
+          f"({'greedy' if config.greedy else 'sampled'} actions)")
     if video is not None:
         print(f"video: {path}")
     return {"script": SCRIPT, "env": config.env, "episodes": len(returns), "mean_return": mean,
             "std_return": std, "returns": returns, "greedy": config.greedy,
-            "physics": config.physics,
-            "video": str(path) if video is not None else None}
+            "physics": config.physics, "video": str(path) if video is not None else None}
 
 
 def write_frame(video, game: Game, path: Path):
@@ -1978,9 +1960,6 @@ class UsageError(ValueError):
 RANGES = {"> 0": (lambda x: x > 0, "positive"), ">= 0": (lambda x: x >= 0, "0 or more"),
           "(0, 1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
           "[0, 1]": (lambda x: 0 <= x <= 1, "in [0, 1]")}
-
-# The observation spaces besides Box that ppo_spaces.py reads, alone or nested.
-SPACES_OBSERVATIONS = ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
 
 
 def refuse_what_will_not_fit(needed: int, what: str):
@@ -2124,7 +2103,8 @@ def inspect_env(env_id: str):
     kind = type(obs_space).__name__
     if not isinstance(obs_space, gym.spaces.Box):
         raise UsageError(f"{env_id} has a {kind} observation space; " + (
-            "use ppo_spaces.py, which reads any nest of spaces" if kind in SPACES_OBSERVATIONS
+            "use ppo_spaces.py, which reads any nest of spaces"
+            if kind in ("Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple")
             else f"no script of this library handles {kind} observations yet"))
     if obs_space.dtype == np.uint8 and len(obs_space.shape) >= 2:
         raise UsageError(f"{env_id} observes images {obs_space.shape}; use ppo_spaces.py (a CNN "

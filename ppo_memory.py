@@ -37,9 +37,8 @@ def option(default, help, check=None, choices=None):  # a Config field, its --he
 
 
 # Each kind's own settings, for the fields Config leaves at None (benchmarks/README.md): lstm, gru
-# and attention scale their rewards (unscaled, with value targets of 50-100, no setting met every
-# seed of both games); lstm and gru look further ahead (gamma 0.99: at 0.98 a cart drifting off
-# after ~150 steps went unseen).
+# and attention scale their rewards (unscaled, no setting met every seed of both games); lstm and
+# gru look further ahead (gamma 0.99: at 0.98, a cart drifting off after ~150 steps went unseen).
 KIND_FIELDS = ("learning_rate", "num_steps", "num_minibatches", "update_epochs", "hidden_size",
                "vf_coef", "gamma", "scale_rewards")
 KIND_DEFAULTS = {kind: dict(zip(KIND_FIELDS, values)) for kind, values in {
@@ -125,8 +124,7 @@ def parse_config(argv=None) -> Config:
     for flag, f in flags.items():
         kind = next(t for t in (bool, int, float, str) if t in (f.type, *typing.get_args(f.type)))
         help, default = f.metadata["help"], f.default
-        if f.metadata["check"]:
-            help += f" (valid: {f.metadata['check']})"
+        help += f" (valid: {f.metadata['check']})" if f.metadata["check"] else ""
         if f.name in KIND_FIELDS:  # each kind's value (Config keeps None; --help adds no default)
             help += " (default: " + ", ".join(
                 f"{memory} {settings[f.name]}" for memory, settings in KIND_DEFAULTS.items()) + ")"
@@ -159,12 +157,10 @@ def make_stateless_env(base: str, keep: list, **kwargs) -> gym.Env:
     return gym.wrappers.TransformObservation(env, lambda obs: obs[keep], kept)
 
 
-def register_stateless_envs():
-    """Register STATELESS_ENVS with gymnasium, once (importing this file changes nothing)."""
+def register_stateless_envs():  # once, by the first Game (importing this file changes nothing)
     for env_id, (base, keep) in STATELESS_ENVS.items():
         if env_id not in gym.registry:
-            gym.register(env_id, entry_point=make_stateless_env,
-                         kwargs={"base": base, "keep": keep})
+            gym.register(env_id, make_stateless_env, kwargs={"base": base, "keep": keep})
 
 
 class Game:
@@ -172,9 +168,9 @@ class Game:
     cards). An ended episode restarts in the same step: `step` returns the next episode's first
     observation, the ended one's last in `info["final_obs"]`, its return and length in `info`."""
 
-    def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        register_stateless_envs()  # (render_mode, for --video, only if asked: not every env has it)
-        self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
+    def __init__(self, env_id: str, seed: int):
+        register_stateless_envs()
+        self.env = gym.make(env_id)
         self.seed, self.first_action = seed, self.env.action_space.start
 
     def reset(self) -> np.ndarray:
@@ -193,9 +189,7 @@ class Game:
         return obs, np.float32(reward), terminated, truncated, info
 
 
-class StepResult(typing.NamedTuple):
-    """What one step of all the games gives the trainer, besides the observations."""
-
+class StepResult(typing.NamedTuple):  # a step of all the games, besides the observations
     rewards: np.ndarray  # [num_envs]
     terminated: np.ndarray  # [num_envs] bool: the episode ended in the game (the pole fell)
     truncated: np.ndarray  # [num_envs] bool: a time limit cut the episode
@@ -217,15 +211,9 @@ class Worker:
         child_end.close()
         self.receive()  # the child's first answer comes once its Games are reset
 
-    def start_games(self, env_id: str, seed: int, obs_view: np.ndarray) -> list:
-        games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # game i: seed + i
-        obs_view[:] = [game.reset() for game in games]
-        return games
-
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> tuple:
-        """Step each Game (observations into obs_out): rewards, terminated (the pole fell) and
-        truncated (a time limit cut it), and by game index: final_obs and episode of ended ones."""
+        """Step each Game, observations into obs_out: the other fields of a StepResult."""
         rewards, final_obs, episodes = np.zeros(len(games), dtype=np.float32), {}, {}
         terminated, truncated = np.zeros(len(games), bool), np.zeros(len(games), bool)
         for i, game in enumerate(games):
@@ -235,17 +223,15 @@ class Worker:
         return rewards, terminated, truncated, final_obs, episodes
 
     def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):  # in the child
-        games = self.start_games(env_id, seed, obs_view)
+        games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # game i: seed + i
+        obs_view[:] = [game.reset() for game in games]
         conn.send(("ok", None))
         while (command := conn.recv())[0] == "step":
             conn.send(("ok", self.step_games(games, command[1], obs_view)))
 
     def step(self, actions: np.ndarray) -> StepResult:  # step_games' answer, from the child
-        self.send_step(actions)
-        return StepResult(*self.receive())
-
-    def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
+        return StepResult(*self.receive())
 
     def receive(self) -> tuple:  # the child's answer (observations: in obs_view)
         return self.trainer_end.recv()[1]
@@ -275,8 +261,9 @@ class RunningMeanStd:
     mean_b - mean_a, n = n_a + n_b): mean = mean_a + delta n_b / n,
     var = (var_a n_a + var_b n_b + delta^2 n_a n_b / n) / n"""
 
-    def __init__(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
-        self.mean, self.var, self.count = mean, var, count
+    def __init__(self, model: nn.Module, name: str):  # model's buffers name_mean, name_var, ...
+        self.mean, self.var, self.count = (getattr(model, f"{name}_{part}")
+                                           for part in ("mean", "var", "count"))
 
     @torch.no_grad()
     def update(self, batch: torch.Tensor, pooled=lambda moments, new: (moments, new)):
@@ -300,8 +287,7 @@ class RunningMeanStd:
 
 def encode_inputs(model: "Model", obs, prev_actions=None, prev_rewards=None, new_episode=None):
     """The model's input rows x_t = [o_t, one-hot(a_(t-1)), r_(t-1)], the last two 0 where an
-    episode starts (`new_episode`, or no prev_actions); o_t normalised once, for rollout and
-    training alike."""
+    episode starts (`new_episode`, or no prev_actions); o_t normalised, once for all epochs."""
     if model.config.normalize_observations:
         obs = model.obs_stats.normalize(obs, model.config.obs_clip)
     if not model.config.prev_action_reward:
@@ -446,12 +432,8 @@ class Model(nn.Module):
             else RecurrentCell(self.kind, self.input_size, hidden) for _ in range(2))
         self.critic, self.actor = layer(hidden, 1, gain=1.0), layer(hidden, num_actions, gain=0.01)
 
-    def statistics(self, name: str) -> RunningMeanStd:  # a view of its buffers name_mean, ...
-        buffers = (getattr(self, f"{name}_{part}") for part in ("mean", "var", "count"))
-        return RunningMeanStd(*buffers)
-
-    obs_stats = property(lambda self: self.statistics("obs"))  # o_t's, to normalise them
-    return_stats = property(lambda self: self.statistics("return"))  # R_t's, to scale rewards
+    obs_stats = property(lambda self: RunningMeanStd(self, "obs"))  # o_t's, to normalise them
+    return_stats = property(lambda self: RunningMeanStd(self, "return"))  # R_t's: scale rewards
 
     def initial_memory(self, batch: int, device=None) -> tuple:  # zeros (LSTM details, #2)
         hidden, count = self.config.hidden_size, {"lstm": 4, "gru": 2}.get(self.kind, 0)
@@ -459,9 +441,8 @@ class Model(nn.Module):
 
     def remember(self, inputs: torch.Tensor, starts: torch.Tensor, memory: tuple):
         """Rows [L, B, D] -> (features [L', B, F], the memory after the last row). The rollout
-        passes a step (and its window) and the games' state; training, a whole rollout and its first
-        state (`Rollout.first_memory`): stepped along the same rows, the cell rebuilds the same
-        states, now with a gradient."""
+        passes a step (and its window) and the games' state; training, a whole rollout and its
+        first state (`Rollout.first_memory`): the same rows, the same states, with a gradient."""
         if self.stacks_frames:  # none: a window of 1
             return stack_frames(inputs, starts, self.window), memory
         half = len(memory) // 2  # the actor's state, then the critic's; their h side by side
@@ -631,9 +612,7 @@ class Trainer:
             minibatch.inputs, minibatch.starts, minibatch.memory, minibatch.actions)
         return self.ppo_loss(minibatch, new_log_probs, entropy, new_values, self.config)
 
-    def gradient_step(self, minibatch: Minibatch) -> dict:
-        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
-        global norm clip, Adam. Returns the diagnostics as tensors."""
+    def gradient_step(self, minibatch: Minibatch) -> dict:  # -> the diagnostics, as tensors
         loss, stats = self.compute_loss(minibatch)
         self.optimizer.zero_grad()
         loss.backward()
@@ -715,8 +694,7 @@ class Run:
 
 class Main:
     """The loop: `Main(config).run()` trains (or --eval plays) and returns the summary as a dict.
-    One iteration (37 details, #6): num_steps steps in every game carrying the memory, GAE,
-    update_epochs passes in minibatches of whole env sequences."""
+    One iteration (37 details, #6): a rollout carrying the memory, GAE, epochs of PPO steps."""
 
     def __init__(self, config: Config):  # anneal_from: (step, rate) where annealing starts
         self.config, self.guard = config, None
@@ -869,7 +847,7 @@ from pathlib import Path
 
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-# ----- Engines: the games, fast and guarded; the loss compiled ------------------------------------
+# ----- Engines: the games, fast and guarded; the loss compiled; Adam written out ------------------
 
 
 class GuardedWorker(Worker):
@@ -898,9 +876,9 @@ class GuardedWorker(Worker):
         finally:
             os._exit(0)  # skip the inherited atexit handlers (they belong to the trainer)
 
-    def send_step(self, actions: np.ndarray):
+    def send_step(self, actions: np.ndarray):  # (WorkerPool sends to all, then receives)
         with contextlib.suppress(OSError):  # a child that is gone: receive() says how
-            super().send_step(actions)
+            self.trainer_end.send(("step", actions))
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
@@ -938,7 +916,8 @@ class InProcessWorker(Worker):
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
                  inherited_trainer_ends: list):
         self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
-        self.games = self.start_games(env_id, seed, obs_view)
+        self.games = [Game(env_id, seed + i) for i in range(len(obs_view))]  # as in Worker's child
+        obs_view[:] = [game.reset() for game in self.games]
 
     def send_step(self, actions: np.ndarray):
         self.actions = actions
@@ -1029,9 +1008,6 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
-
-# ----- Adam, written out --------------------------------------------------------------------------
 
 
 class Adam:
@@ -1224,11 +1200,8 @@ class RunGuard(Run):
         self.ranks = self.games = self.log = self.summary = None
 
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
+    evaluate = staticmethod(lambda config: evaluate_checkpoint(config))  # --eval
     optimizer = Adam if Run.optimizer is torch.optim.Adam else Run.optimizer  # torch's, faster
-
-    @staticmethod
-    def evaluate(config: Config) -> dict:  # --eval
-        return evaluate_checkpoint(config)
 
     def __enter__(self) -> "RunGuard":
         self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
@@ -1678,7 +1651,10 @@ def evaluate_checkpoint(given: Config) -> dict:
     model = Model(*inspect_env(config.env), config)
     load_weights(model, checkpoint["model"], config)
     torch.manual_seed(config.seed)
-    game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
+    game = Game(config.env, config.seed)
+    if config.video:  # the same env, made to draw its frames (not every env can: only if asked)
+        game.env.close()
+        game.env = gym.make(config.env, render_mode="rgb_array")
     video, path, returns = None, Path(config.run_dir) / "eval.mp4", []
     memory, next_start = model.initial_memory(1), torch.ones(1)
     next_input = encode_inputs(model, torch.from_numpy(game.reset())[None])

@@ -1,7 +1,6 @@
 """PPO for teams of agents, each team (policy group) sharing one policy, on PettingZoo parallel
-envs (MPE2's simple_spread by default): the PPO paper (Schulman et al., 2017) with "The 37
-Implementation Details of PPO" (Huang et al., 2022: "37 details") and the MAPPO paper (Yu et al.,
-2022), each cited where it is implemented.
+envs (MPE2's simple_spread by default), after the PPO paper (Schulman et al., 2017), "The 37
+Implementation Details of PPO" (Huang et al., 2022: "37 details") and MAPPO (Yu et al., 2022).
 
 PPO plays a rollout with the current policy, learns from it for several epochs of minibatch steps,
 and clips the probability ratio rho_t = pi(a_t|s_t) / pi_old(a_t|s_t) so that the new policy stays
@@ -26,7 +25,6 @@ import math
 import multiprocessing
 import os
 import pkgutil
-import random
 import time
 import typing
 from collections import deque, namedtuple
@@ -63,8 +61,7 @@ class Config:
     # Collecting experience.
     env: str = option("mpe2.simple_spread_v3", "PettingZoo parallel env, as module.name")
     env_kwargs: str = option("", "the env's own options, e.g. N=5,local_ratio=0.3")
-    groups: str = option("", "name prefix=group, e.g. adversary=predators,agent=prey; empty: a "
-                         "group per kind of agent, named by its agents' common prefix")
+    groups: str = option("", "prefix=group, e.g. adversary=predators,agent=prey; empty: by kind")
     num_envs: int = option(16, "envs played side by side (by each rank, under torchrun)", "> 0")
     num_workers: int = option(2, "child processes that run the envs (0 = in this process)", ">= 0")
     num_steps: int = option(25, "env steps per env in each rollout", "> 0")
@@ -150,8 +147,9 @@ def assign_groups(agents: list, kinds: list, prefixes: dict) -> dict:
 GroupSpec = namedtuple("GroupSpec", "name agents slots obs_size action_space num_actions "
                        "continuous low high policy_size value_size row_size")
 # An env: its agent slots, its global state's size (0 without --central-value), its groups (in the
-# order of their first agents) and the widest action (a Box's dimensions, else 1).
-EnvSpec = namedtuple("EnvSpec", "num_agents state_size groups action_columns")
+# order of their first agents), widest action (Box: dimensions, else 1) and row, and rows' flags.
+EnvSpec = namedtuple("EnvSpec", "num_agents state_size groups action_columns width agent_id "
+                     "central_value")
 
 
 def describe_env(env, config: Config, prefixes: dict) -> EnvSpec:
@@ -164,14 +162,14 @@ def describe_env(env, config: Config, prefixes: dict) -> EnvSpec:
         obs_size, continuous = int(np.prod(obs_space.shape)), action_space.shape != ()  # a Box
         policy_size = obs_size + (len(slots) if config.agent_id else 0)
         value_size = state_size + len(slots) if config.central_value else policy_size
-        bounds = ([float(x) for x in bound] for bound in (action_space.low, action_space.high)
-                  ) if continuous else ([], [])
+        bounds = (action_space.low.tolist(), action_space.high.tolist()) if continuous else ([], [])
         groups.append(GroupSpec(
             name, [agents[slot] for slot in slots], list(slots), obs_size, str(action_space),
             int(action_space.shape[0] if continuous else action_space.n), continuous, *bounds,
             policy_size, value_size, policy_size + (value_size if config.central_value else 0)))
     return EnvSpec(len(agents), state_size, tuple(groups),
-                   max(group.num_actions if group.continuous else 1 for group in groups))
+                   max(group.num_actions if group.continuous else 1 for group in groups),
+                   max(group.row_size for group in groups), config.agent_id, config.central_value)
 
 
 class Game:
@@ -179,22 +177,17 @@ class Game:
     over its agent slots (`possible_agents`). An agent's row, what its group's networks read: its
     observation; with --agent-id a one-hot of its place in its group (so that alike agents can act
     apart); with --central-value the env's global state and the one-hot again (the critic's input);
-    zeros up to `width` (the widest group's). An absent agent (done early, or not yet there) has a
-    row of zeros and `present` False. `info["final_obs"]` holds the last rows of agents whose
-    episode ended (`_final_obs` marks them); all done, it restarts at once."""
+    zeros up to `spec.width`. An absent agent (done early, or not yet there) has a row of zeros and
+    `present` False. All done, the env restarts at once."""
 
-    def __init__(self, env_id: str, seed: int, env_kwargs: Optional[dict] = None,
-                 agent_id: bool = False, central_value: bool = False,
-                 groups: Optional[dict] = None, width: int = 0):
+    def __init__(self, env_id: str, seed: int, spec: EnvSpec, env_kwargs: Optional[dict] = None):
         self.env = pkgutil.resolve_name(env_id).parallel_env(**(env_kwargs or {}))
-        self.agents = list(self.env.possible_agents)
-        self.num_agents, self.seed, self.width = len(self.agents), seed, width
-        self.groups = groups or {"all": list(range(self.num_agents))}  # {name: slots}
+        self.agents, self.seed, self.spec = list(self.env.possible_agents), seed, spec
+        self.num_agents, self.groups = len(self.agents), {g.name: g.slots for g in spec.groups}
         # Each slot's one-hot within its group; a Discrete action is one number, a Box a vector.
         self.one_hot = {slot: np.eye(len(slots), dtype=np.float32)[i]
                         for slots in self.groups.values() for i, slot in enumerate(slots)}
         self.discrete = [self.env.action_space(agent).shape == () for agent in self.agents]
-        self.agent_id, self.central_value = agent_id, central_value
 
     def reset(self) -> np.ndarray:
         # Seed only the first reset: later restarts continue the env's own random stream.
@@ -209,16 +202,16 @@ class Game:
         return self.rows(observations, self.present)
 
     def rows(self, observations: dict, which) -> np.ndarray:  # [agents, width]: 0 unless which
-        state = np.asarray(self.env.state(), np.float32).ravel() if self.central_value else None
-        rows = {slot: np.concatenate([np.asarray(observations[agent], np.float32).ravel()]
-                                     + [self.one_hot[slot]] * self.agent_id
-                                     + [state, self.one_hot[slot]] * self.central_value)
-                for slot, agent in enumerate(self.agents) if which[slot]}
-        padded = np.zeros((self.num_agents, self.width or max(map(len, rows.values()))),
-                          np.float32)
-        for slot, row in rows.items():
-            padded[slot, :len(row)] = row
-        return padded
+        agent_id, central_value = self.spec.agent_id, self.spec.central_value
+        state = np.asarray(self.env.state(), np.float32).ravel() if central_value else None
+        rows = np.zeros((self.num_agents, self.spec.width), np.float32)
+        for slot, agent in enumerate(self.agents):
+            if which[slot]:
+                row = np.concatenate([np.asarray(observations[agent], np.float32).ravel()]
+                                     + [self.one_hot[slot]] * agent_id
+                                     + [state, self.one_hot[slot]] * central_value)
+                rows[slot, :len(row)] = row
+        return rows
 
     def step(self, actions: np.ndarray):  # [agents, columns]: a slot's action (unused if absent)
         acting = {agent: int(actions[i, 0]) if self.discrete[i] else
@@ -230,7 +223,7 @@ class Game:
                                  for flags in (terminations, truncations))
         self.returns, self.length = self.returns + reward, self.length + 1
         info, ended = {}, terminated | truncated
-        if ended.any():
+        if ended.any():  # the last rows of the agents whose episode ended, marked by _final_obs
             info["_final_obs"], info["final_obs"] = ended, self.rows(observations, ended)
         if self.env.agents:
             return self.observe(observations), reward, terminated, truncated, info
@@ -249,7 +242,6 @@ class StepResult(typing.NamedTuple):
     rewards: np.ndarray  # [rows]
     terminated: np.ndarray  # [rows] bool: the agent's episode ended in the game
     truncated: np.ndarray  # [rows] bool: a time limit cut the agent's episode
-    present: np.ndarray  # [rows] bool: which agents are in their env now (the next rows)
     final_obs: dict  # row -> the last row of the agent whose episode ended there
     episodes: dict  # env index -> {"return", "team_return", "length"} of an episode that ended
 
@@ -267,7 +259,7 @@ class Worker:
             name=f"{SCRIPT}-worker-{index}", daemon=True)
         self.process.start()
         child_end.close()
-        self.present_array = self.receive()  # the first answer comes once its Games are reset
+        self.present_array = self.receive()  # which agents are in their envs (once reset)
 
     @staticmethod
     def step_games(games: list, actions: np.ndarray, obs_out: np.ndarray) -> list:
@@ -277,18 +269,6 @@ class Worker:
         obs_out[:] = np.concatenate([obs for obs, *_ in results])
         return [(*result[1:4], game.present, result[4]) for game, result in zip(games, results)]
 
-    @staticmethod
-    def merge_results(games: list) -> StepResult:
-        """step_games' answers, env by env, as one StepResult by row (env * num_agents + slot)."""
-        rewards, terminated, truncated, present = (np.concatenate(part)
-                                                   for part in list(zip(*games))[:4])
-        agents = len(rewards) // len(games)
-        final_obs = {env * agents + slot: info["final_obs"][slot] for env, (*_, info)
-                     in enumerate(games) for slot in np.flatnonzero(info.get("_final_obs", ()))}
-        episodes = {env: info["episode"] for env, (*_, info) in enumerate(games)
-                    if "episode" in info}
-        return StepResult(rewards, terminated, truncated, present, final_obs, episodes)
-
     def child_loop(self, conn, seeds: list, options: dict):  # in the child, until told to stop
         games = [Game(self.env_id, seed, **options) for seed in seeds]  # Game i: seeds[i]
         self.obs_view[:] = np.concatenate([game.reset() for game in games])
@@ -296,11 +276,18 @@ class Worker:
         while (command := conn.recv())[0] == "step":
             conn.send(("ok", self.step_games(games, command[1], self.obs_view)))
 
-    def step(self, actions: np.ndarray) -> StepResult:  # step_games' answer, from the child
+    def step(self, actions: np.ndarray) -> StepResult:
+        """step_games' answers, env by env, as one StepResult by row (env * num_agents + slot)."""
         self.send_step(actions)
-        result = self.merge_results(self.receive())
-        self.present_array = result.present
-        return result
+        games = self.receive()
+        rewards, terminated, truncated, self.present_array = (np.concatenate(part)
+                                                              for part in list(zip(*games))[:4])
+        agents = len(rewards) // len(games)
+        final_obs = {env * agents + slot: info["final_obs"][slot] for env, (*_, info)
+                     in enumerate(games) for slot in np.flatnonzero(info.get("_final_obs", ()))}
+        episodes = {env: info["episode"] for env, (*_, info) in enumerate(games)
+                    if "episode" in info}
+        return StepResult(rewards, terminated, truncated, final_obs, episodes)
 
     def send_step(self, actions: np.ndarray):
         self.trainer_end.send(("step", actions))
@@ -310,9 +297,6 @@ class Worker:
 
     def observations(self) -> torch.Tensor:  # the Games' current rows (shared memory)
         return torch.from_numpy(self.obs_view)
-
-    def present(self) -> torch.Tensor:  # 1.0 for each row whose agent is in its env now, else 0.0
-        return torch.from_numpy(self.present_array).float()
 
     def close(self):
         self.trainer_end.send(("close", None))
@@ -388,36 +372,33 @@ class Model(nn.Module):
         values = self.critic(rows[:, start:start + self.value_size]).squeeze(-1)
         return values * self.return_stats.std() + self.return_stats.mean
 
-    @staticmethod
-    def gaussian_log_prob(actions, mean, log_std) -> torch.Tensor:
-        """log N(a; mu, sigma) summed over the action dimensions: [batch].
-        $\\sum_i -(a_i - \\mu_i)^2 / (2\\sigma_i^2) - \\log\\sigma_i - \\tfrac12 \\log 2\\pi$"""
-        squared = ((actions - mean) / log_std.exp()) ** 2
-        return (-0.5 * squared - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
-
     def act(self, rows: torch.Tensor, greedy: bool = False):  # actions, log-probabilities, values
         output = self.actor(rows[:, :self.policy_size])
         if self.continuous:  # the sampled action, unbounded: the trainer clips what the env gets
             actions = output if greedy else output + self.log_std.exp() * torch.randn_like(output)
-            log_prob = self.gaussian_log_prob(actions, output, self.log_std.expand_as(output))
         else:
             log_probs = torch.log_softmax(output, dim=-1)  # of each action: [batch, actions]
             actions = (log_probs.argmax(-1) if greedy
                        else torch.multinomial(log_probs.exp(), 1)[:, 0])
-            log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        return actions, log_prob, self.value(rows)
+        return actions, self.log_prob_and_entropy(output, actions)[0], self.value(rows)
 
     def evaluate_actions(self, rows: torch.Tensor, actions: torch.Tensor):  # for the loss
         output = self.actor(rows[:, :self.policy_size])
+        return (*self.log_prob_and_entropy(output, actions), self.value(rows))
+
+    def log_prob_and_entropy(self, output: torch.Tensor, actions: torch.Tensor):
+        """log pi(a|s) of the actions taken, and the policy's entropy, from the actor's output.
+        Box: $\\sum_i -(a_i - \\mu_i)^2 / (2\\sigma_i^2) - \\log\\sigma_i - \\tfrac12 \\log 2\\pi$
+        and, the same in every state, $H = \\sum_i \\log(2\\pi e \\sigma_i^2) / 2$."""
         if self.continuous:
-            log_prob = self.gaussian_log_prob(actions, output, self.log_std.expand_as(output))
-            # The same in every state: $H = \sum_i \log(2\pi e \sigma_i^2) / 2$
-            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + self.log_std).sum(-1).expand(len(rows))
-        else:
-            log_probs = torch.log_softmax(output, dim=-1)
-            log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)  # of those taken
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return log_prob, entropy, self.value(rows)
+            log_std = self.log_std.expand_as(output)
+            squared = ((actions - output) / log_std.exp()) ** 2
+            log_prob = (-0.5 * squared - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+            entropy = (0.5 + 0.5 * math.log(2 * math.pi) + self.log_std).sum(-1).expand(len(output))
+            return log_prob, entropy
+        log_probs = torch.log_softmax(output, dim=-1)
+        log_prob = log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)  # of those taken
+        return log_prob, -(log_probs.exp() * log_probs).sum(-1)
 
 
 def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: float):
@@ -441,8 +422,7 @@ def compute_gae(rewards, values, dones, last_value, gamma: float, gae_lambda: fl
     lambda = 0 is the one-step estimate, lambda = 1 the sampled return minus V(s_t). d_t = dones[t]
     = 1 when the agent's episode ended at step t, after action t (terminated or truncated; a
     truncation's rewards[t] already holds gamma * V(final row)), or the agent was absent: it cuts
-    the sum there. CleanRL's `dones[t]` means "obs[t] starts a new episode", one step later.
-    """
+    the sum there. CleanRL's `dones[t]` means "obs[t] starts a new episode", one step later."""
     advantages, next_value = torch.zeros_like(rewards), last_value
     next_advantage = torch.zeros_like(last_value)
     for t in reversed(range(rewards.shape[0])):
@@ -469,12 +449,12 @@ class Minibatch(typing.NamedTuple):
 class Rollout:
     """One group's rollout buffer, [num_steps, rows] (a row per agent of the group in each env), on
     the device. `rows` says where those are among all the envs' rows (agent slot s of env e: row
-    e * num_agents + s), `place` the reverse."""
+    e * num_agents + s); `members` holds the same, as a set."""
 
     def __init__(self, config: Config, group, num_agents: int, device: torch.device):
         self.rows = torch.tensor([env * num_agents + slot for env in range(config.num_envs)
                                   for slot in group.slots], device=device)
-        self.place = {row: i for i, row in enumerate(self.rows.tolist())}
+        self.members = set(self.rows.tolist())
         self.row_size, shape = group.row_size, (config.num_steps, len(self.rows))
         self.bounds = (torch.tensor(group.low, device=device),  # of a Box action
                        torch.tensor(group.high, device=device)) if group.continuous else None
@@ -519,8 +499,7 @@ class Trainer:
         rho_t < 1 - eps with A_t < 0), the clipped term is constant: no gradient, the sample stops
         pulling. Why the minimum: a pessimistic bound, so that a move that made things worse
         (rho_t < 1 - eps with A_t > 0) is never hidden: the unclipped term is then the smaller
-        one, and its gradient pulls back.
-        """
+        one, and its gradient pulls back."""
         mask = minibatch.mask
         mean = lambda values: (values * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
         # Every mean is over the present agents' rows; torch.where, not a product, keeps an absent
@@ -559,17 +538,15 @@ class Trainer:
         step update every group as separate PPO updates would. The diagnostics: groups' means."""
         results = []  # each group's (loss, diagnostics)
         for name, minibatch in minibatches.items():
-            model = self.models[name]
-            evaluated = model.evaluate_actions(minibatch.obs, minibatch.actions)
-            results.append(self.ppo_loss(minibatch, *evaluated, self.config,
-                                         model.return_stats.std()))
+            model = self.models[name]  # ppo_loss gets its log pi(a|s), entropy, V and V's scale
+            results.append(self.ppo_loss(minibatch, *model.evaluate_actions(
+                minibatch.obs, minibatch.actions), self.config, model.return_stats.std()))
         losses, stats = zip(*results)
         return torch.stack(losses).sum(), {key: torch.stack([group[key] for group in stats]).mean()
                                            for key in stats[0]}
 
     def gradient_step(self, minibatches: dict) -> dict:
-        """One clipped PPO step on a minibatch: loss, backward, the ranks' mean gradient (torchrun),
-        global norm clip, Adam. Returns the diagnostics as tensors."""
+        """Loss, backward, the ranks' mean gradient (torchrun), norm clip, Adam: the diagnostics."""
         loss, stats = self.compute_loss(minibatches)
         self.optimizer.zero_grad()
         loss.backward()
@@ -584,21 +561,17 @@ class Trainer:
 
 
 class Run:
-    """The plain run that `Main.train` talks to: seeds, the device, the env's groups and sizes (the
-    env's defaults, a group per kind of agent), the games, a progress line per update and the
-    summary. Below the banner `RunGuard` extends it with Ctrl-C, checkpoints, the non-finite guard,
-    torchrun, logging, --env-kwargs and --groups, and Workers made safe (no fast engine here)."""
-
-    games = summary = solved_step = None  # solved_step: where --target-return was reached
-    config = property(lambda self: self.main.config)
-    optimizer = torch.optim.Adam  # the Trainer's (RunGuard's: its steps written out, faster)
+    """The plain run `Main.train` talks to: seeds, device, the env's groups and sizes, the games,
+    progress, summary. `RunGuard`, below the banner, extends it: Ctrl-C, checkpoints, NaN guard,
+    torchrun, logging, --env-kwargs and --groups, Workers made safe."""
 
     def __init__(self, main: "Main"):
-        self.main, self.updates, self.episodes = main, 0, 0
+        self.main, self.config, self.games, self.summary = main, main.config, None, None
         self.returns, self.judged = deque(maxlen=100), deque(maxlen=100)  # all's; the target's
+        self.updates, self.solved_step = 0, None  # solved_step: where the target was reached
 
     def __enter__(self) -> "Run":
-        """Read the groups and the sizes the Models need from one env; pick the device; seed."""
+        """The env's groups (one per kind of agent), their Models' sizes; seed torch; the device."""
         config, self.start_time = self.config, time.perf_counter()
         if config.env_kwargs or config.groups:
             raise ValueError("the whole file's machinery applies --env-kwargs and --groups")
@@ -606,47 +579,29 @@ class Run:
         env.reset(seed=0)
         self.spec = describe_env(env, config, {})
         env.close()
-        self.device = torch.device("cuda" if config.device != "cpu"
-                                   and torch.cuda.is_available() else "cpu")
+        torch.manual_seed(config.seed)
+        cuda = config.device != "cpu" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if cuda else "cpu")
         self.steps_per_step = config.num_envs * self.spec.num_agents  # agent steps per env step
-        self.seed_everything(config.seed)
         return self
 
-    @staticmethod
-    def seed_everything(seed: int):  # the trainer's draws (sampling, shuffling); each env its own
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-
-    def prepare_learner(self) -> int:
-        """The step to start from: 0 (the machinery's: --resume's)."""
-        return 0
+    prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
+    stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
+    mean = lambda self, value: value  # its mean over the ranks (RunGuard's: under torchrun)
+    optimizer = torch.optim.Adam  # the Trainer's (RunGuard's: its steps written out, faster)
 
     def start_games(self) -> Worker:
-        """All the envs in one Worker (RunGuard's: --num-workers), env i seeded with seed + i."""
-        config, groups = self.config, self.spec.groups
-        obs = torch.zeros(config.num_envs * self.spec.num_agents,  # env-major, as `Rollout` reads
-                          max(group.row_size for group in groups)).share_memory_()
-        options = {"agent_id": config.agent_id, "central_value": config.central_value,
-                   "width": obs.shape[1], "groups": {g.name: g.slots for g in groups}}
+        """All the envs in one Worker, env i seeded with seed + i (RunGuard's: --num-workers)."""
+        config, spec = self.config, self.spec
+        obs = torch.zeros(config.num_envs * spec.num_agents, spec.width)  # by env, then slot
         seeds = [config.seed + i for i in range(config.num_envs)]
-        self.games = Worker(0, config.env, seeds, options, obs.numpy())
+        self.games = Worker(0, config.env, seeds, {"spec": spec}, obs.share_memory_().numpy())
         return self.games
 
-    def stop_at_once(self) -> bool:
-        """End the rollout now? Never here (the machinery's: on Ctrl-C)."""
-        return False
-
-    def mean(self, value):
-        """A number's (or each of a list's) mean over torchrun's processes: here, itself."""
-        return value
-
     def after_rollout(self, ended: list):
-        """Record the episodes that ended, as (global step, episode); note the step at which the
-        last 100 reached --target-return per agent (of --target-group's agents, if named)."""
+        """Record the (global step, episode) of the episodes that ended; note the target's step."""
         target, group = self.config.target_return, self.config.target_group
         for step, episode in ended:
-            self.episodes += 1
             self.returns.append(episode["return"])
             self.judged.append(episode["groups"][group]["return"] if group else episode["return"])
             if (target is not None and self.solved_step is None and len(self.judged) == 100
@@ -654,28 +609,24 @@ class Run:
                 self.solved_step = step
 
     def after_update(self, stats: dict):
-        """Count the update; print a progress line."""
-        self.updates += 1
-        step, mean = self.main.global_step, f"{np.mean(self.returns):.2f}" if self.returns else "-"
-        print(f"step {step:,} | {step / (time.perf_counter() - self.start_time):,.0f} steps/s | "
-              f"return per agent {mean} | updates {self.updates}")
+        """A progress line: the step, the speed, the mean return per agent of the last 100."""
+        self.updates, step = self.updates + 1, self.main.global_step
+        speed, mean = step / (time.perf_counter() - self.start_time), np.mean(self.returns or [0])
+        print(f"step {step:,} | {speed:,.0f} steps/s | return per agent {mean:.2f} | updates "
+              f"{self.updates}")
 
-    def __exit__(self, kind, error, traceback) -> bool:
+    def __exit__(self, kind, error, traceback):
         """Close the games and keep the summary; an error goes on up."""
         if self.games is not None:
             self.games.close()
-        self.summary = {"script": SCRIPT, "env": self.config.env, "seed": self.config.seed,
-                        "steps": getattr(self.main, "global_step", 0), "episodes": self.episodes,
-                        "seconds": round(time.perf_counter() - self.start_time, 3),
+        self.summary = {"script": SCRIPT, "env": self.config.env,
+                        "steps": getattr(self.main, "global_step", 0),
                         "mean_return_100": float(np.mean(self.returns)) if self.returns else None,
                         "solved_step": self.solved_step}
-        return False
 
     @staticmethod
-    def evaluate(config: Config) -> dict:
-        """--eval: the machinery's, below the banner."""
-        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner "
-                                  "does it")
+    def evaluate(config: Config) -> dict:  # --eval: the machinery's (below the banner)
+        raise NotImplementedError("--eval plays a checkpoint: the machinery below the banner")
 
 
 class Main:
@@ -723,13 +674,12 @@ class Main:
 
     @torch.inference_mode()  # like no_grad, and skips autograd's version counting too: faster
     def collect_rollout(self, next_obs: torch.Tensor) -> torch.Tensor:
-        """Play num_steps steps of every env into the groups' rollouts (a row per agent); the next
-        rows (of all agents: each group reads its own)."""
+        """Play num_steps steps of every env into the groups' rollouts; returns the next rows."""
         config, device, ended = self.config, self.guard.device, []
         for step in range(config.num_steps):
             if self.guard.stop_at_once():  # Ctrl-C (see RunGuard)
                 break
-            present = self.games.present().to(device)
+            present = torch.from_numpy(self.games.present_array).float().to(device)  # 1 or 0
             # What the envs get: a row per agent (a Discrete action's index, a Box action's numbers)
             env_actions = torch.zeros(len(next_obs), self.guard.spec.action_columns, device=device)
             for name, rollout in self.rollouts.items():  # each group plays its own agents
@@ -742,21 +692,19 @@ class Main:
             result = self.games.step(env_actions.cpu().numpy())
             next_obs = self.games.observations().to(device)
             rewards = torch.from_numpy(result.rewards).to(device)
-            ends = torch.from_numpy(result.terminated | result.truncated).to(device)
+            ends = torch.from_numpy(result.terminated | result.truncated).to(device).float()
+            # Truncation is not death: an episode cut by a time limit (as MPE2's are, after 25
+            # steps) would have gone on, so its last reward gets gamma * V(final row).
+            cut = [row for row in result.final_obs
+                   if result.truncated[row] and not result.terminated[row]]
             for name, rollout in self.rollouts.items():
-                rollout.rewards[step] = rewards[rollout.rows]
-                # Truncation is not death: an episode cut by a time limit (as MPE2's are, after 25
-                # steps) would have gone on, so its last reward gets gamma * V(final row).
-                cut = [row for row in result.final_obs if row in rollout.place
-                       and result.truncated[row] and not result.terminated[row]]
-                if cut:
-                    final_rows = torch.from_numpy(np.stack([result.final_obs[i] for i in cut]))
+                if mine := [row for row in cut if row in rollout.members]:
+                    final_rows = torch.from_numpy(np.stack([result.final_obs[row] for row in mine]))
                     value = self.models[name].value(final_rows[:, :rollout.row_size].to(device))
-                    places = [rollout.place[row] for row in cut]
-                    rollout.rewards[step, places] += config.gamma * value
+                    rewards[mine] += config.gamma * value
+                rollout.rewards[step] = rewards[rollout.rows]
                 # An absent agent's row is done too, so that GAE never links steps across it.
-                rollout.dones[step] = torch.maximum(ends[rollout.rows].float(),
-                                                    1 - rollout.mask[step])
+                rollout.dones[step] = torch.maximum(ends[rollout.rows], 1 - rollout.mask[step])
             self.global_step += self.guard.steps_per_step  # agent rows of every rank
             ended += [(self.global_step, episode) for episode in result.episodes.values()]
         self.guard.after_rollout(ended)  # record the episodes (RunGuard's: stop on Ctrl-C)
@@ -779,14 +727,12 @@ class Main:
         for name, rollout in self.rollouts.items():  # value normalisation (Model), present rows
             self.models[name].return_stats.update(returns[name][rollout.mask > 0], self.guard.mean)
         for epoch in range(config.update_epochs):
-            orders = {name: torch.randperm(returns[name].numel(), device=device)
-                      for name in self.rollouts}
+            parts = {name: torch.randperm(returns[name].numel(), device=device).tensor_split(
+                config.num_minibatches) for name in self.rollouts}  # a group's rows, shuffled
             for k in range(config.num_minibatches):
-                minibatches = {}
-                for name, rollout in self.rollouts.items():
-                    size = returns[name].numel() // config.num_minibatches  # rows of the group
-                    indices = orders[name][k * size:(k + 1) * size]
-                    minibatches[name] = rollout.minibatch(indices, advantages[name], returns[name])
+                minibatches = {name: rollout.minibatch(parts[name][k], advantages[name],
+                                                       returns[name])
+                               for name, rollout in self.rollouts.items()}
                 steps.append(self.trainer.gradient_step(minibatches))  # diagnostics, as tensors
             # Early stop (37 details, #12, optional): by the ranks' mean, so that all stop together.
             if (config.target_kl is not None
@@ -818,6 +764,7 @@ import inspect
 import json
 import logging
 import multiprocessing.connection
+import random
 import signal
 import sys
 import threading
@@ -826,7 +773,7 @@ from pathlib import Path
 import gymnasium as gym
 import torch.distributed as dist  # already loaded by `import torch`: costs nothing more
 
-# ----- Engines: the games, fast and guarded; the learner compiled ---------------------------------
+# ----- Engines: the games, fast and guarded; the learner compiled; Adam written out ---------------
 
 
 class GuardedWorker(Worker):
@@ -843,7 +790,7 @@ class GuardedWorker(Worker):
     def child_loop(self, conn, seeds: list, options: dict):
         gc.freeze()  # the trainer's objects (its garbage too) are not the child's to finalize
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for end in [self.trainer_end, *self.inherited_trainer_ends]:
+        for end in [self.trainer_end, *self.inherited_trainer_ends]:  # earlier Workers' too
             end.close()
         try:
             super().child_loop(conn, seeds, options)
@@ -908,17 +855,13 @@ class InProcessWorker(Worker):
 class WorkerPool(Worker):
     """All the envs of this rank, as one Worker of num_envs Games (Game i seeded with first_seed +
     i): max(num_workers, 1) GuardedWorkers (one InProcessWorker with --num-workers 0), their rows
-    in one array in shared memory. Each child closes its copies of the trainer ends of the Workers
-    started before it; a failure to start one closes those started so far."""
+    in one array in shared memory; a failure to start one closes those started so far."""
 
     def __init__(self, config: Config, spec: EnvSpec, first_seed: int):
         self.workers, count = [], max(config.num_workers, 1)
-        width = max(group.row_size for group in spec.groups)
         self.obs_view = torch.zeros(config.num_envs * spec.num_agents,
-                                    width).share_memory_().numpy()  # env-major, as `Rollout` reads
-        options = {"env_kwargs": parse_env_kwargs(config.env_kwargs), "agent_id": config.agent_id,
-                   "central_value": config.central_value, "width": width,
-                   "groups": {group.name: group.slots for group in spec.groups}}
+                                    spec.width).share_memory_().numpy()  # by env, then slot
+        options = {"spec": spec, "env_kwargs": parse_env_kwargs(config.env_kwargs)}
         worker_class = InProcessWorker if config.num_workers == 0 else GuardedWorker
         seeds = np.split(first_seed + np.arange(config.num_envs), count)
         try:
@@ -947,8 +890,7 @@ class WorkerPool(Worker):
 def compile_learner(main: Main):
     """torch.compile the networks' forwards and the loss (its backward with it): seconds networks
     this small never earn back, hence off by default. Bound methods, not modules: the checkpoint's
-    names stay. Compiled here, on inputs of the sizes they will see: a machine that cannot compile
-    falls back to eager at once, with a warning."""
+    names stay. Compiled at once, on inputs of their sizes: if that fails, a warning, then eager."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
     models, trainer, config, guard = main.models, main.trainer, main.config, main.guard
     networks = [network for model in models.values() for network in (model.actor, model.critic)]
@@ -980,9 +922,6 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
-
-# ----- Adam, written out --------------------------------------------------------------------------
 
 
 class Adam:
@@ -1169,14 +1108,15 @@ class RunGuard(Run):
     non-finite losses, told by its RunLog. On exit, however the run ended: the games closed, the
     last checkpoint and the summary saved, and what the process lent given back (a notebook's)."""
 
-    ranks = log = stop_signal = signals = None
+    def __init__(self, main: Main):
+        self.main, self.stop_signal, self.signals, self.updates = main, None, None, 0
+        self.previous_threads = torch.get_num_threads()
+        self.ranks = self.games = self.log = self.summary = None
+
+    config = property(lambda self: self.main.config)  # the run's (or the checkpoint's) settings
     solved_step = property(lambda self: self.log.solved_step)  # --target-return was reached
     optimizer = Adam if Run.optimizer is torch.optim.Adam else Run.optimizer  # torch's, faster
     evaluate = staticmethod(lambda config: evaluate_checkpoint(config))  # --eval (below)
-
-    def __init__(self, main: Main):
-        super().__init__(main)
-        self.previous_threads = torch.get_num_threads()
 
     def __enter__(self) -> "RunGuard":
         self.signals = StopSignals(self)  # Ctrl-C and SIGTERM, from now until give_back
@@ -1202,7 +1142,9 @@ class RunGuard(Run):
         self.main.config = config = dataclasses.replace(config, run_dir=str(self.run_dir))
         # The trainer draws (sampling, shuffling) from torch's generator; rank r's seeded seed + r.
         self.seed = config.seed + self.ranks.rank
-        self.seed_everything(self.seed)
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        torch.manual_seed(self.seed)
         # One thread is fastest for networks this small (benchmarks/README.md); given back after.
         torch.set_num_threads(1)
         self.checkpoint_path = self.run_dir / "checkpoint.pt"
@@ -1650,22 +1592,18 @@ def evaluate_checkpoint(given: Config) -> dict:
     checkpoint = load_checkpoint(given.eval)
     config = resumed_config(checkpoint, given)
     env_kwargs, spec = parse_env_kwargs(config.env_kwargs), inspect_env(config)
-    models = nn.ModuleDict({group.name: Model(group.policy_size, group.value_size,
-                                              group.num_actions, config.central_value,
-                                              config.hidden_size, group.continuous)
-                            for group in spec.groups})
+    models = nn.ModuleDict({group.name: Model(
+        group.policy_size, group.value_size, group.num_actions, config.central_value,
+        config.hidden_size, group.continuous) for group in spec.groups})
     load_weights(models, checkpoint["model"], config)
     torch.manual_seed(config.seed)
     try:
         drawn = {"render_mode": "rgb_array"} if config.video else {}  # (only when asked for)
-        game = Game(config.env, config.seed, {**env_kwargs, **drawn}, config.agent_id,
-                    config.central_value, {group.name: group.slots for group in spec.groups},
-                    max(group.row_size for group in spec.groups))
+        game = Game(config.env, config.seed, spec, {**env_kwargs, **drawn})
     except Exception as error:
         raise UsageError(f"cannot make {config.env} for --video: {type(error).__name__}: "
                          f"{error}") from None
-    video, path, rows = None, Path(config.run_dir) / "eval.mp4", game.reset()
-    episodes = []
+    video, path, rows, episodes = None, Path(config.run_dir) / "eval.mp4", game.reset(), []
     try:
         while len(episodes) < config.eval_episodes:
             if config.video:

@@ -166,16 +166,14 @@ class Game:
     (its leaves' numbers). An ended episode restarts in the same step: `step` returns the next one's
     first observation, in `info` the ended one's last ("final_obs"), return, length ("episode")."""
 
-    def __init__(self, env_id: str, seed: int, render_mode: Optional[str] = None):
-        # (render_mode only when asked for: an env that cannot draw need not accept it)
-        self.env = gym.make(env_id, **({"render_mode": render_mode} if render_mode else {}))
+    def __init__(self, env_id: str, seed: int, **options):  # options: gym.make's (render_mode)
+        self.env = gym.make(env_id, **options)
         self.seed, self.close = seed, self.env.close
         self.observed = observed_leaves(self.env.observation_space)
         self.mask_size = None  # the action mask's size: seen at the first reset
 
     def observe(self, obs, info: dict) -> np.ndarray:
-        # The mask: in `info` (gymnasium's convention: Taxi-v4) or the observation (PettingZoo's);
-        # it covers the choices of the Discrete and MultiDiscrete action leaves in turn.
+        # The mask: in `info` (gymnasium's convention: Taxi-v4) or the observation (PettingZoo's).
         mask = obs["action_mask"] if isinstance(obs, dict) and "action_mask" in obs else (
             info.get("action_mask", np.ones(self.mask_size or 0)))  # silent: all allowed
         self.mask_size = np.size(mask) if self.mask_size is None else self.mask_size
@@ -237,9 +235,9 @@ def packed(actions: dict) -> np.ndarray:
 
 
 class Worker:
-    """Plays several Games in a (forked) child process, beside the trainer: actions go through a
-    pipe, rewards, end flags and infos come back; observations, the one large array, through shared
-    memory (`obs_view`), read as a tensor with no copy."""
+    """Plays several Games in a (forked) child process beside the trainer: actions go down a pipe,
+    rewards, end flags and infos come back; observations, the one large array, skip the pipe
+    (shared memory: `obs_view`, read as a tensor with no copy)."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray):
         self.index, self.env_id, self.obs_view = index, env_id, obs_view
@@ -261,16 +259,13 @@ class Worker:
             conn.send(("ok", [rest for _, *rest in steps]))
 
     def step(self, actions: dict) -> StepResult:  # its Games' step
-        self.send_step(packed(actions))
+        self.trainer_end.send(("step", packed(actions)))
         return StepResult.of(self.receive())
 
     def observations(self) -> torch.Tensor:  # its Games' current ones (shared memory: no copy)
         return torch.from_numpy(self.obs_view)
 
-    def send_step(self, actions: np.ndarray):
-        self.trainer_end.send(("step", actions))
-
-    def receive(self) -> list:  # the last send_step's (reward, terminated, truncated, info) by game
+    def receive(self) -> list:  # the child's answer: (reward, terminated, truncated, info) by game
         return self.trainer_end.recv()[1]
 
     def close(self):
@@ -278,13 +273,13 @@ class Worker:
         self.process.join()
 
 
-def layer(in_size: int, out_size: int, gain: float = math.sqrt(2)) -> nn.Linear:
-    """A linear layer, orthogonal weights of the given gain, zero biases (37 details, #2: sqrt(2)
-    in the body; 0.01 for the policy, all actions starting alike; 1 for V)."""
-    linear = nn.Linear(in_size, out_size)
-    nn.init.orthogonal_(linear.weight, gain)
-    nn.init.zeros_(linear.bias)
-    return linear
+def layer(in_size: int, out_size: int, gain: float = math.sqrt(2), kind=nn.Linear, **options):
+    """A linear (or other `kind` of) layer, orthogonal weights of the given gain, zero biases (37
+    details, #2: sqrt(2) in the body; 0.01 for the policy, all actions starting alike; 1 for V)."""
+    module = kind(in_size, out_size, **options)
+    nn.init.orthogonal_(module.weight, gain)
+    nn.init.zeros_(module.bias)
+    return module
 
 
 class OneHot(nn.Module):
@@ -305,21 +300,18 @@ class OneHot(nn.Module):
 class ImageEncoder(nn.Module):
     """A uint8 image leaf (HWC, CHW: the channels are the shorter end; HW: one channel, last),
     divided by `divisor`: three 3x3 convolutions, stride 2 while its sides are 16 or more (84, 41,
-    20, 9), then a linear layer; with a side under 16 (MiniGrid's 7x7x3), the linear layer alone."""
+    20, 9), then a linear layer; with a side under 16 (MiniGrid's 7x7x3), the linear layer alone
+    (convolutions that cannot stride only add numbers, 147 -> 5x5x32 = 800: compute for nothing)."""
 
     def __init__(self, shape: tuple, hidden_size: int, divisor: float = 255.0):
         super().__init__()
         self.shape, self.divisor = tuple(shape) if len(shape) == 3 else (*shape, 1), divisor
         self.channels_first, layers, self.features = self.shape[0] < self.shape[-1], [], hidden_size
         channels, *sides = self.shape if self.channels_first else self.shape[-1:] + self.shape[:2]
-        # A side under 16: convolutions cannot stride, only make more numbers than the image holds
-        # (7x7x3 = 147 -> 5x5x32 = 800), 90% of the compute for nothing; so the linear layer alone.
         for out_channels in (32, 64, 64) if min(sides) >= 16 else ():
             stride = 2 if min(sides) >= 16 else 1
-            conv = nn.Conv2d(channels, out_channels, 3, stride)  # initialised as `layer` does
-            nn.init.orthogonal_(conv.weight, math.sqrt(2))
-            nn.init.zeros_(conv.bias)
-            layers += [conv, nn.ReLU()]
+            layers += [layer(channels, out_channels, kind=nn.Conv2d, kernel_size=3, stride=stride),
+                       nn.ReLU()]
             channels, sides = out_channels, [(side - 3) // stride + 1 for side in sides]
         self.cnn = nn.Sequential(*layers, nn.Flatten(),
                                  layer(channels * sides[0] * sides[1], hidden_size), nn.ReLU())
@@ -330,11 +322,10 @@ class ImageEncoder(nn.Module):
 
 
 class Encoder(nn.Module):
-    """One encoder per observed leaf (`obs_kind`), their features side by side, as SB3's
-    MultiInputPolicy: the flat observation (Game) split back into its leaves; a vector or bits as
-    they are, a choice one-hot, an image by a CNN. The Box leaves' numbers (`box_columns`, images'
-    too: MiniGrid's are codes 0-10, near 0 / 255) come normalised by RunningMeanStd, each by its
-    own mean and std, as SB3's VecNormalize does."""
+    """One encoder per observed leaf (`obs_kind`), features side by side (SB3's MultiInputPolicy):
+    the flat observation split back into its leaves; a vector or bits as they are, a choice
+    one-hot, an image by a CNN. The Box leaves' numbers (`box_columns`; images' too: MiniGrid's are
+    codes 0-10, near 0 / 255) come normalised by RunningMeanStd, each by its own mean and std."""
 
     def __init__(self, obs_space, hidden_size: int, image_divisor: float = 255.0):
         super().__init__()
@@ -455,8 +446,7 @@ class Model(nn.Module):
         self.return_stats = RunningMeanStd([0], 10.0, active=scale_rewards)  # (SB3's reward clip)
         self.names = ["/".join(map(str, path)) or "action" for path, _ in leaves(action_space)]
         self.heads = nn.ModuleList(ActionHead(space) for _, space in leaves(action_space))
-        # The mask: the observation's last mask_size columns (0 with --no-action-mask), stored with
-        # the step (the update forbids what acting did); Discrete and MultiDiscrete heads in turn.
+        # The mask: the observation's last mask_size columns (0: --no-action-mask), heads in turn.
         self.mask_sizes = [head.mask_size if masked and head.maskable else 0 for head in self.heads]
         self.mask_size = sum(self.mask_sizes)
         mlp = lambda out_size, gain: nn.Sequential(  # two tanh hidden layers, then the output
@@ -704,7 +694,6 @@ class Main:
             self.global_step = guard.prepare_learner()  # 0, or --resume's; compile, torchrun
             self.games = guard.start_games()
             self.rollout = Rollout(config, guard.obs_size, self.model, guard.device)
-            # Box leaves normalised by running mean and std (continuous #6-#7), as they come.
             next_obs = self.model.obs_stats.normalize(self.games.observations().to(guard.device))
             while self.global_step < config.total_timesteps:
                 self.anneal_learning_rate()
@@ -818,8 +807,8 @@ class GuardedWorker(Worker):
     trainer's pipe ends closed). A child that dies is reported (WorkerError), never waited for."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
-                 inherited_trainer_ends: list, check: "StepCheck"):
-        self.inherited_trainer_ends, self.check = inherited_trainer_ends, check
+                 inherited_trainer_ends: list, guard: "RunGuard"):
+        self.inherited_trainer_ends, self.guard = inherited_trainer_ends, guard
         super().__init__(index, env_id, seed, obs_view)
 
     def child_loop(self, conn, env_id: str, seed: int, obs_view: np.ndarray):
@@ -828,14 +817,14 @@ class GuardedWorker(Worker):
         for end in [self.trainer_end, *self.inherited_trainer_ends]:
             end.close()
         try:  # the lesson's loop, its Games played by an InProcessWorker
-            games = InProcessWorker(self.index, env_id, seed, obs_view, [], self.check)
+            games = InProcessWorker(self.index, env_id, seed, obs_view, [], self.guard)
             conn.send(("ok", None))
             while (command := conn.recv())[0] == "step":
                 games.send_step(command[1])
                 conn.send(("ok", games.receive()))
         except (EOFError, BrokenPipeError, KeyboardInterrupt):
             pass  # the trainer is gone or stopping: just exit
-        except Exception as error:  # (a WorkerError of StepCheck's names all already)
+        except Exception as error:  # (a WorkerError of InProcessWorker's names all already)
             failed = f"worker {self.index} ({env_id}) failed: {type(error).__name__}: {error}"
             with contextlib.suppress(OSError):  # ("broken": the env left its spaces)
                 conn.send(("broken", str(error)) if isinstance(error, EnvLeftItsSpaces)
@@ -845,7 +834,7 @@ class GuardedWorker(Worker):
 
     def send_step(self, actions: np.ndarray):
         with contextlib.suppress(OSError):  # a child that is gone: receive() says how
-            super().send_step(actions)
+            self.trainer_end.send(("step", actions))
 
     def receive(self, timeout: float = 120.0) -> tuple:
         name = f"worker {self.index} ({self.env_id})"
@@ -875,7 +864,7 @@ class GuardedWorker(Worker):
 
 
 class WatchedGame(Game):
-    """A Game that keeps its env's last observation as it came, for StepCheck to name what broke."""
+    """A Game that keeps its env's last observation as it came, to name what broke in it."""
 
     raw_obs = None
 
@@ -885,13 +874,29 @@ class WatchedGame(Game):
 
 
 class InProcessWorker(Worker):
-    """A Worker's Games played in this process as the lesson's child plays them, each step held to
-    the env's spaces (StepCheck): with --num-workers 0, and inside each GuardedWorker's child."""
+    """A Worker's Games played here as the lesson's child plays them (--num-workers 0; inside each
+    GuardedWorker's child), each step held to the env's spaces (the start-up check saw 100 steps of
+    one game), all rows in one test: the observed numbers within their leaves' bounds (with
+    --check-env), a mask that allows some choice of each action (with --action-mask); after a Game
+    raised, its observation (a shape, a key). One line names the env, the step and what broke."""
 
     def __init__(self, index: int, env_id: str, seed: int, obs_view: np.ndarray,
-                 inherited_trainer_ends: list, check: "StepCheck"):
+                 inherited_trainer_ends: list, guard: "RunGuard"):
         self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
-        self.check, self.steps = check, 0  # steps: how many its Games took, together
+        self.env, self.config, self.steps_per_step = guard.env, guard.config, guard.steps_per_step
+        self.first_step, self.steps = guard.main.global_step, 0  # steps taken, all Games at once
+        observed = [space for _, space in observed_leaves(self.env.obs_space)]
+        bounds = [(space.low, space.high) if isinstance(space, spaces.Box) else (0, 1)
+                  if isinstance(space, spaces.MultiBinary) else  # a choice: start to start + n - 1
+                  (space.start, space.start + getattr(space, "nvec", getattr(space, "n", 0)) - 1)
+                  for space in observed]
+        self.low, self.high = (np.concatenate([np.broadcast_to(bound[side], space.shape).ravel()
+                                               for space, bound in zip(observed, bounds)]
+                                              ).astype(np.float32) for side in (0, 1))
+        self.dims = mask_dims(self.env.action_space)  # [(name, choices)], the mask's columns
+        choices = [n for _, n in self.dims]
+        self.dim_starts = np.cumsum(choices) - choices
+        self.mask_start = self.env.obs_size - sum(choices)
         self.games = [WatchedGame(env_id, seed + i) for i in range(len(obs_view))]
         self.play(lambda game, row: (game.reset(),))
 
@@ -908,77 +913,45 @@ class InProcessWorker(Worker):
             results = [turn(game, row) for row, game in enumerate(self.games)]
             self.obs_view[:] = [obs for obs, *_ in results]
         except Exception:
-            self.check.find_broken(self)
+            self.find_broken()
             raise
-        self.check(self)
+        rows, numbers = self.obs_view, self.obs_view[:, :len(self.low)]
+        if self.config.check_env and not ((numbers >= self.low) & (numbers <= self.high)).all():
+            self.find_broken()
+        if self.env.masked:
+            allowed = np.add.reduceat(rows[:, self.mask_start:] > 0, self.dim_starts, axis=1)
+            if not allowed.all():
+                row, dim = np.argwhere(allowed == 0)[0]
+                name, choices = self.dims[dim]
+                self.stop(row, f"its action mask forbids all {choices} choices of {name}")
         return [rest for _, *rest in results]
+
+    def find_broken(self):
+        """Stop at the first Game whose observation broke the spaces, if one did."""
+        for row, game in enumerate(self.games):
+            if game.raw_obs is not None and (
+                    problem := mismatch(self.env.obs_space, game.raw_obs, "the observation")):
+                self.stop(row, problem)
+
+    def stop(self, row: int, problem: str):
+        game, env = self.games[row], self.index * len(self.games) + row  # (of this rank)
+        step = self.first_step + self.steps * self.steps_per_step
+        when = f"step {game.episode_length} of its episode" if game.episode_length else "reset()"
+        raise EnvLeftItsSpaces(f"{self.config.env} broke its spaces in env {env} at step "
+                               f"{step:,} of the run ({when}): {problem}") from None
 
     def close(self):
         for game in self.games:
             game.env.close()
 
 
-class StepCheck:
-    """Every step held to the env's spaces (the start-up check saw 100 steps of one game), in one
-    test of a Worker's rows: the observed numbers within their leaves' bounds (with --check-env), a
-    mask that allows some choice of each action (with --action-mask); after a Game raised, its
-    observation (a shape, a key). One line names the env, the step and what broke (WorkerError)."""
-
-    def __init__(self, env: "EnvSpaces", config: Config, first_step: int, steps_per_step: int):
-        self.env, self.config = env, config
-        self.first_step, self.steps_per_step = first_step, steps_per_step
-        low, high = [], []
-        for _, space in observed_leaves(env.obs_space):
-            if isinstance(space, spaces.Box):
-                bounds = space.low, space.high
-            elif isinstance(space, spaces.MultiBinary):
-                bounds = 0, 1
-            else:  # Discrete, MultiDiscrete: from start to start + choices - 1
-                choices = getattr(space, "nvec", getattr(space, "n", 0))
-                bounds = space.start, space.start + choices - 1
-            low.append(np.broadcast_to(bounds[0], space.shape).reshape(-1))
-            high.append(np.broadcast_to(bounds[1], space.shape).reshape(-1))
-        self.low, self.high = (np.concatenate(side).astype(np.float32) for side in (low, high))
-        self.dims = mask_dims(env.action_space)  # [(name, choices)], the mask's columns in turn
-        choices = [n for _, n in self.dims]
-        self.dim_starts, self.mask_start = np.cumsum(choices) - choices, env.obs_size - sum(choices)
-
-    def __call__(self, worker: InProcessWorker):
-        """After each step, and the first reset: all of the worker's rows at once."""
-        rows = worker.obs_view
-        numbers = rows[:, :len(self.low)]
-        if self.config.check_env and not ((numbers >= self.low) & (numbers <= self.high)).all():
-            self.find_broken(worker)
-        if self.env.masked:
-            allowed = np.add.reduceat(rows[:, self.mask_start:] > 0, self.dim_starts, axis=1)
-            if not allowed.all():
-                row, dim = np.argwhere(allowed == 0)[0]
-                name, choices = self.dims[dim]
-                self.stop(worker, row, f"its action mask forbids all {choices} choices of {name}")
-
-    def find_broken(self, worker: InProcessWorker):
-        """Stop at the first Game whose observation broke the spaces, if one did."""
-        for row, game in enumerate(worker.games):
-            if game.raw_obs is not None and (
-                    problem := mismatch(self.env.obs_space, game.raw_obs, "the observation")):
-                self.stop(worker, row, problem)
-
-    def stop(self, worker: InProcessWorker, row: int, problem: str):
-        game, env = worker.games[row], worker.index * len(worker.games) + row  # (of this rank)
-        step = self.first_step + worker.steps * self.steps_per_step
-        when = f"step {game.episode_length} of its episode" if game.episode_length else "reset()"
-        raise EnvLeftItsSpaces(f"{self.config.env} broke its spaces in env {env} at step "
-                               f"{step:,} of the run ({when}): {problem}") from None
-
-
 class WorkerPool:
     """All the games of this rank: num_workers GuardedWorkers (or an InProcessWorker), their
     observations in one shared-memory segment that no process outlives."""
 
-    def __init__(self, config: Config, obs_size: int, first_seed: int, device: torch.device,
-                 check: StepCheck):
-        self.device, self.workers, self.shared_obs = device, [], None
-        shape = (config.num_envs, obs_size)
+    def __init__(self, guard: "RunGuard", first_seed: int):
+        config, self.device, self.workers, self.shared_obs = guard.config, guard.device, [], None
+        shape = (config.num_envs, guard.obs_size)
         if config.num_workers:
             self.shared_obs = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)) * 4)
         buffer = self.shared_obs.buf if self.shared_obs else None  # (None: an array of its own)
@@ -990,7 +963,7 @@ class WorkerPool:
                 self.workers.append(worker_class(
                     index, config.env, first_seed + index * share,
                     self.obs_array[index * share:(index + 1) * share],
-                    [w.trainer_end for w in self.workers if w.trainer_end], check))
+                    [w.trainer_end for w in self.workers if w.trainer_end], guard))
         except BaseException:
             self.close()  # the workers started so far
             raise
@@ -1017,7 +990,7 @@ class WorkerPool:
             self.shared_obs.close()
             self.shared_obs = None
 
-# ----- Compilation --------------------------------------------------------------------------------
+# ----- Compilation and Adam written out -----------------------------------------------------------
 
 
 def compile_learner(main: Main):
@@ -1054,9 +1027,6 @@ def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when the compiler
     loads on a machine with CUDA's compiler but no GPU): a CPU run is not doing anything wrong."""
     return not record.getMessage().startswith("No CUDA runtime is found")
-
-
-# ----- Adam, written out --------------------------------------------------------------------------
 
 
 class Adam:
@@ -1246,7 +1216,7 @@ class WorkerError(RuntimeError):
 
 
 class EnvLeftItsSpaces(WorkerError):
-    """The env left its spaces during the run (StepCheck): bad input, as a refused flag is (exit 2),
+    """The env left its spaces mid-run (InProcessWorker): bad input as a refused flag is (exit 2),
     though found late; the run stops as after a worker's failure, its last finished update saved."""
     exit_status = 2
 
@@ -1296,11 +1266,10 @@ class RunGuard(Run):
         check_settings(config)
         self.env = inspect_env(config)  # its spaces (checked), its mask
         self.obs_space, self.action_space, self.obs_size, self.masked = self.env[:4]
-        self.minibatches_by_kind = config.num_minibatches is None
-        if self.minibatches_by_kind:  # the lesson's default by observation kind, then checked
-            minibatches = default_minibatches(self.obs_space)
-            config = dataclasses.replace(config, num_minibatches=minibatches)
-            check_settings(config)
+        self.minibatches_by_kind = config.num_minibatches is None  # the lesson's default, checked
+        minibatches = config.num_minibatches or default_minibatches(self.obs_space)
+        config = dataclasses.replace(config, num_minibatches=minibatches)
+        check_settings(config)
         refuse_what_will_not_fit(needed_memory(config, self.env), "the rollout and the games")
         # Under torchrun, join the other ranks (each on a GPU of its own); alone, a world of one.
         self.ranks = Ranks(pick_device(config.device))
@@ -1339,8 +1308,7 @@ class RunGuard(Run):
 
     def start_games(self) -> WorkerPool:  # game i of rank r is seeded with seed + r * num_envs + i
         first_seed = self.config.seed + self.ranks.rank * self.config.num_envs
-        check = StepCheck(self.env, self.config, self.main.global_step, self.steps_per_step)
-        self.games = WorkerPool(self.config, self.obs_size, first_seed, self.device, check)
+        self.games = WorkerPool(self, first_seed)  # (the step check reads the run's env and step)
         return self.games
 
     def stop_at_once(self) -> bool:  # under torchrun, all ranks stop together after the rollout
@@ -1388,7 +1356,7 @@ class RunGuard(Run):
             failure = error if isinstance(error, FAILURES) else None
             if failure is not None:  # an update or rollout half done: back to the last finished
                 restore_learner(self.main, self.last_good_learner)
-            if failure is None:  # all ranks are here together: check they trained the same network
+            else:  # all ranks are here together: check they trained the same network
                 try:
                     self.ranks.check_same(self.main.model.state_dict().values())
                 except RankError as mismatch:
@@ -1728,7 +1696,7 @@ def evaluate_checkpoint(given: Config) -> dict:
                   config.normalize_observations, config.obs_clip)
     load_weights(model, checkpoint, config)
     torch.manual_seed(config.seed)
-    game = Game(config.env, config.seed, render_mode="rgb_array" if config.video else None)
+    game = Game(config.env, config.seed, **({"render_mode": "rgb_array"} if config.video else {}))
     video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
     try:
         while len(returns) < config.eval_episodes:
@@ -1845,6 +1813,7 @@ class EnvSpaces(typing.NamedTuple):
 
 
 HANDLED = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+CHOICES = (spaces.Discrete, spaces.MultiDiscrete)  # the action leaves a mask covers
 
 
 def inspect_env(config: Config) -> EnvSpaces:
@@ -1875,12 +1844,23 @@ def inspect_env(config: Config) -> EnvSpaces:
         hint = (f"; did you mean {' or '.join(close)}?" if close
                 else "; see gymnasium.pprint_registry()")
         raise UsageError(f"unknown env {env_id!r}{hint}")
+    tracemalloc.start()  # what one game holds (needed_memory counts num_envs of them)
     try:
-        env = gym.make(env_id, disable_env_checker=True)
+        game = Game(env_id, config.seed)
     except Exception as error:
+        tracemalloc.stop()
         raise UsageError(f"cannot make {env_id}: {type(error).__name__}: {error}") from None
-    obs_space, action_space = env.observation_space, env.action_space
-    env.close()
+    try:
+        first_obs = game.reset()
+    except Exception as error:
+        if check:  # a reset that breaks its spaces: the check names how
+            check_env_specs(env_id, config.seed)
+        raise UsageError(f"{env_id}'s reset() failed: {type(error).__name__}: {error}") from None
+    finally:
+        game_bytes = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        game.close()
+    obs_space, action_space = game.env.observation_space, game.env.action_space
     unhandled = [f"a {type(leaf).__name__} space" + (f" at {'/'.join(map(str, path))}" if path
                                                       else "")
                  for path, leaf in leaves(action_space) if not isinstance(leaf, HANDLED)]
@@ -1892,36 +1872,23 @@ def inspect_env(config: Config) -> EnvSpaces:
         raise UsageError(f"{env_id} observes {obs_space}: no leaf of fixed-size numbers (Box, "
                          f"Discrete, MultiDiscrete, MultiBinary), and no script of this library "
                          f"handles such observations")
-    tracemalloc.start()  # what one game holds (needed_memory counts num_envs of them)
-    game = Game(env_id, config.seed)
-    try:
-        first_obs = game.reset()
-    except Exception as error:
-        if check:  # a reset that breaks its spaces: the check names how
-            check_env_specs(env_id, config.seed)
-        raise UsageError(f"{env_id}'s reset() failed: {type(error).__name__}: {error}") from None
-    finally:
-        game_bytes = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        game.close()
     notes = [f"observation {'/'.join(map(str, path))} ({type(leaf).__name__}) left out: no "
              f"fixed-size numbers to encode" for path, leaf in leaves(obs_space)
              if not obs_kind(leaf) and path != ("action_mask",)]
     choices = sum(n for _, n in mask_dims(action_space))
     where = ("the observation's action_mask" if isinstance(obs_space, spaces.Dict)
              and "action_mask" in obs_space.spaces else 'info["action_mask"]')
-    if game.mask_size and config.action_mask:
-        if game.mask_size != choices:
-            raise UsageError(f"{env_id}'s action mask ({where}) has {game.mask_size} entries, but "
-                             f"its Discrete and MultiDiscrete actions have {choices} choices in "
-                             f"all: --no-action-mask ignores the mask")
-        notes.append(f"action mask: {where}, {choices} choices")
-    elif game.mask_size:
-        notes.append(f"action mask: {where} ignored (--no-action-mask)")
+    masked = bool(game.mask_size) and config.action_mask
+    if masked and game.mask_size != choices:
+        raise UsageError(f"{env_id}'s action mask ({where}) has {game.mask_size} entries, but its "
+                         f"Discrete and MultiDiscrete actions have {choices} choices in all: "
+                         f"--no-action-mask ignores the mask")
+    if game.mask_size:
+        notes.append(f"action mask: {where}, " + (f"{choices} choices" if masked
+                                                  else "ignored (--no-action-mask)"))
     if check:
         check_env_specs(env_id, config.seed)
-    return EnvSpaces(obs_space, action_space, len(first_obs),
-                     bool(game.mask_size and config.action_mask), first_obs, notes, game_bytes)
+    return EnvSpaces(obs_space, action_space, len(first_obs), masked, first_obs, notes, game_bytes)
 
 
 def check_env_specs(env_id: str, seed: int, steps: int = 100):
@@ -1930,30 +1897,28 @@ def check_env_specs(env_id: str, seed: int, steps: int = 100):
     number) and end flag (a bool); the first that does not fit is refused in one line."""
     env = gym.make(env_id, disable_env_checker=True)  # (gymnasium's own checker only warns)
     env.action_space.seed(seed)
-    where = "reset()"
+    where, step = "reset()", 0
     try:
         obs, info = env.reset(seed=seed)
-        for step in range(steps + 1):
-            problem = mismatch(env.observation_space, obs, f"{where}'s observation")
-            if step > 0 and not problem:
-                problem = outcome_mismatch(reward, terminated, truncated, where)
-            if problem:
-                raise UsageError(f"{env_id} does not keep to its spaces: {problem} "
-                                 f"(--no-check-env skips this check)")
-            if step > 0 and (terminated or truncated):
+        problem = mismatch(env.observation_space, obs, "reset()'s observation")
+        while problem is None and step < steps:
+            step, where = step + 1, f"step {step + 1}"
+            obs, reward, terminated, truncated, info = env.step(
+                random_action(env.action_space, obs, info))
+            problem = (mismatch(env.observation_space, obs, f"{where}'s observation")
+                       or outcome_mismatch(reward, terminated, truncated, where))
+            if problem is None and (terminated or truncated):
                 where = f"reset() after step {step}"
                 obs, info = env.reset()
-                continue
-            where = f"step {step + 1}"
-            action = random_action(env.action_space, obs, info)
-            obs, reward, terminated, truncated, info = env.step(action)
-    except UsageError:
-        raise
+                problem = mismatch(env.observation_space, obs, f"{where}'s observation")
     except Exception as error:
         raise UsageError(f"{env_id} failed in {where} of the spec check: {type(error).__name__}: "
                          f"{error} (--no-check-env skips this check)") from None
     finally:
         env.close()
+    if problem is not None:
+        raise UsageError(f"{env_id} does not keep to its spaces: {problem} "
+                         f"(--no-check-env skips this check)")
 
 
 def random_action(action_space, obs, info: dict):
@@ -1963,14 +1928,10 @@ def random_action(action_space, obs, info: dict):
     dims = [n for _, n in mask_dims(action_space)]
     pieces = (iter(np.split(np.asarray(mask, np.int8).reshape(-1), np.cumsum(dims)[:-1]))
               if mask is not None and np.size(mask) == sum(dims) else None)  # one a dimension
-    values = []
-    for _, space in leaves(action_space):
-        if pieces is None or not isinstance(space, (spaces.Discrete, spaces.MultiDiscrete)):
-            values.append(space.sample())
-        elif isinstance(space, spaces.Discrete):
-            values.append(space.sample(mask=next(pieces)))
-        else:
-            values.append(space.sample(mask=tuple(next(pieces) for _ in np.ravel(space.nvec))))
+    values = [space.sample() if pieces is None or not isinstance(space, CHOICES) else
+              space.sample(mask=next(pieces)) if isinstance(space, spaces.Discrete) else
+              space.sample(mask=tuple(next(pieces) for _ in np.ravel(space.nvec)))
+              for _, space in leaves(action_space)]  # (in turn: each takes its dimensions' masks)
     return nest_of(action_space, iter(values))
 
 

@@ -17,10 +17,10 @@ BANNER = "# ==== Below: speed, safety and scale. PPO is complete above."
 # GUIDE's targets (500; memory 650; multiagent and spaces 600) are not met: benchmarks/README.md,
 # "The lessons' measures", says where the lines go. These limits keep a lesson, and a file, from
 # growing back.
-LESSON_LINES = {"ppo_atari.py": 570, "ppo_cartpole.py": 630, "ppo_continuous.py": 625,
-                "ppo_memory.py": 848, "ppo_multiagent.py": 805, "ppo_spaces.py": 785}
-FILE_LINES = {"ppo_atari.py": 1652, "ppo_cartpole.py": 1820, "ppo_continuous.py": 2238,
-              "ppo_memory.py": 1940, "ppo_multiagent.py": 2019, "ppo_spaces.py": 2105}
+LESSON_LINES = {"ppo_atari.py": 561, "ppo_cartpole.py": 621, "ppo_continuous.py": 617,
+                "ppo_memory.py": 826, "ppo_multiagent.py": 751, "ppo_spaces.py": 774}
+FILE_LINES = {"ppo_atari.py": 1627, "ppo_cartpole.py": 1818, "ppo_continuous.py": 2218,
+              "ppo_memory.py": 1916, "ppo_multiagent.py": 1957, "ppo_spaces.py": 2066}
 LONGEST_DEFINITION = 150
 NAMES_FROM_BELOW = 2
 LESSON = ["Config", "parse_config", "Game", "Worker", "layer", "Model", "compute_gae", "Minibatch",
