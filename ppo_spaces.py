@@ -633,7 +633,7 @@ class Run:
     prepare_learner = lambda self: 0  # the step to start from (RunGuard's: --resume's)
     stop_at_once = lambda self: False  # end the rollout now (RunGuard's: after Ctrl-C)
     mean = lambda self, value: value  # a number's mean over the ranks (RunGuard's: torchrun)
-    optimizer = torch.optim.Adam  # the Trainer's (RunGuard's: its steps written out, faster)
+    optimizer = torch.optim.Adam  # the Trainer's (RunGuard's: a copy, the same steps, 2 s sooner)
 
     def start_games(self) -> Worker:
         """All the games in one Worker, game i seeded with seed + i (RunGuard's: --num-workers)."""
@@ -885,14 +885,18 @@ class InProcessWorker(Worker):
         self.index, self.env_id, self.obs_view, self.trainer_end = index, env_id, obs_view, None
         self.env, self.config, self.steps_per_step = guard.env, guard.config, guard.steps_per_step
         self.first_step, self.steps = guard.main.global_step, 0  # steps taken, all Games at once
-        observed = [space for _, space in observed_leaves(self.env.obs_space)]
-        bounds = [(space.low, space.high) if isinstance(space, spaces.Box) else (0, 1)
-                  if isinstance(space, spaces.MultiBinary) else  # a choice: start to start + n - 1
-                  (space.start, space.start + getattr(space, "nvec", getattr(space, "n", 0)) - 1)
-                  for space in observed]
-        self.low, self.high = (np.concatenate([np.broadcast_to(bound[side], space.shape).ravel()
-                                               for space, bound in zip(observed, bounds)]
-                                              ).astype(np.float32) for side in (0, 1))
+        low, high = [], []
+        for _, space in observed_leaves(self.env.obs_space):
+            if isinstance(space, spaces.Box):
+                bounds = space.low, space.high
+            elif isinstance(space, spaces.MultiBinary):
+                bounds = 0, 1
+            else:  # Discrete, MultiDiscrete: from start to start + choices - 1
+                choices = getattr(space, "nvec", getattr(space, "n", 0))
+                bounds = space.start, space.start + choices - 1
+            low.append(np.broadcast_to(bounds[0], space.shape).reshape(-1))
+            high.append(np.broadcast_to(bounds[1], space.shape).reshape(-1))
+        self.low, self.high = (np.concatenate(side).astype(np.float32) for side in (low, high))
         self.dims = mask_dims(self.env.action_space)  # [(name, choices)], the mask's columns
         choices = [n for _, n in self.dims]
         self.dim_starts = np.cumsum(choices) - choices
