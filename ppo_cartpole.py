@@ -613,7 +613,7 @@ class Main:
                     and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
         stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
-                 for key in steps[0]}  # the only host sync of the update
+                 for key in steps[0]}  # the update's one host sync (--target-kl: one an epoch)
         # Explained variance (37 details, #12): 1 - Var[R - V] / Var[R], 1 if V predicts R.
         variance, unexplained = returns.var().item(), (returns - self.rollout.values).var().item()
         stats["explained_variance"] = 0.0 if variance == 0 else 1 - unexplained / variance

@@ -739,7 +739,7 @@ class Main:
                     and self.guard.mean(steps[-1]["approx_kl"].item()) > config.target_kl):
                 break
         stats = {key: torch.stack([step[key].detach() for step in steps]).mean().item()
-                 for key in steps[0]}  # the only host sync of the update
+                 for key in steps[0]}  # the update's one host sync (--target-kl: one an epoch)
         # Explained variance: 1 when V predicts the present agents' returns, 0 if not (or constant).
         values, targets = (torch.cat(part) for part in zip(*(
             (rollout.values[rollout.mask > 0], returns[name][rollout.mask > 0])
