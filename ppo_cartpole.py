@@ -143,8 +143,8 @@ class Game:
     dimension from 0. An ended episode restarts in the same step: `step` returns the new one's first
     observation; in `info`, the ended one's last ("final_obs") and return and length ("episode")."""
 
-    def __init__(self, env_id: str, seed: int):
-        self.env = gym.make(env_id)
+    def __init__(self, env_id: str, seed: int, **options):  # options: gym.make's (render_mode)
+        self.env = gym.make(env_id, **options)
         self.seed, self.action_space = seed, self.env.action_space
 
     def reset(self) -> np.ndarray:
@@ -1578,10 +1578,8 @@ def evaluate_checkpoint(given: Config) -> dict:
     if "normalizer" in checkpoint:  # (a checkpoint from before observation normalisation: none)
         load_statistics(model.obs_stats, checkpoint["normalizer"]["obs"])
     torch.manual_seed(config.seed)
-    game = Game(config.env, config.seed)
-    if config.video:  # the same env, made to draw its frames
-        game.env.close()
-        game.env = gym.make(config.env, render_mode="rgb_array")
+    drawn = {"render_mode": "rgb_array"} if config.video else {}  # (only when asked for)
+    game = Game(config.env, config.seed, **drawn)
     video, path, returns, obs = None, Path(config.run_dir) / "eval.mp4", [], game.reset()
     try:
         while len(returns) < config.eval_episodes:

@@ -150,8 +150,8 @@ class Game:
     the same step: `step` returns the next one's first observation, in `info` the ended one's last
     ("final_obs": to bootstrap from if a time limit cut it), return and length ("episode")."""
 
-    def __init__(self, env_id: str, seed: int):
-        self.env, self.seed = gym.make(env_id), seed
+    def __init__(self, env_id: str, seed: int, **options):  # options: gym.make's (render_mode)
+        self.env, self.seed = gym.make(env_id, **options), seed
 
     def reset(self) -> np.ndarray:  # seeded the first time; later, the env's own random stream
         obs, _ = self.env.reset(seed=self.seed)
@@ -1902,10 +1902,8 @@ def evaluate_checkpoint(given: Config) -> dict:
             result = engine.step(model.act(obs, greedy=config.greedy)[0].clamp(low, high))
         returns, played = result.episode_returns.tolist(), f", physics {engine.describe()}"
     else:
-        game = Game(config.env, config.seed)
-        if config.video:  # the same env, drawing its frames
-            game.env.close()
-            game.env = gym.make(config.env, render_mode="rgb_array")
+        drawn = {"render_mode": "rgb_array"} if config.video else {}  # (only when asked for)
+        game = Game(config.env, config.seed, **drawn)
         obs = game.reset()
         try:
             while len(returns) < config.eval_episodes:

@@ -168,9 +168,9 @@ class Game:
     cards). An ended episode restarts in the same step: `step` returns the next episode's first
     observation, the ended one's last in `info["final_obs"]`, its return and length in `info`."""
 
-    def __init__(self, env_id: str, seed: int):
+    def __init__(self, env_id: str, seed: int, **options):  # options: gym.make's (render_mode)
         register_stateless_envs()
-        self.env = gym.make(env_id)
+        self.env = gym.make(env_id, **options)
         self.seed, self.first_action = seed, self.env.action_space.start
 
     def reset(self) -> np.ndarray:
@@ -1651,10 +1651,8 @@ def evaluate_checkpoint(given: Config) -> dict:
     model = Model(*inspect_env(config.env), config)
     load_weights(model, checkpoint["model"], config)
     torch.manual_seed(config.seed)
-    game = Game(config.env, config.seed)
-    if config.video:  # the same env, made to draw its frames (not every env can: only if asked)
-        game.env.close()
-        game.env = gym.make(config.env, render_mode="rgb_array")
+    drawn = {"render_mode": "rgb_array"} if config.video else {}  # (only when asked for)
+    game = Game(config.env, config.seed, **drawn)
     video, path, returns = None, Path(config.run_dir) / "eval.mp4", []
     memory, next_start = model.initial_memory(1), torch.ones(1)
     next_input = encode_inputs(model, torch.from_numpy(game.reset())[None])
